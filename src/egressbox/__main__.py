@@ -1,0 +1,7 @@
+"""`python -m egressbox`."""
+
+import sys
+
+from egressbox.cli import main
+
+sys.exit(main())

@@ -1,0 +1,264 @@
+"""The `egressbox` command: a thin shell over the library (same names, same defaults).
+
+Exit codes (README "Exit codes"): 0 ok; 1 runtime error; 2 usage or bad policy;
+3 a server that could not start; for `run`, the child's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
+
+from egressbox import __version__
+from egressbox.decide import Decision
+from egressbox.errors import EgressboxError, HostError, PolicyError
+from egressbox.hosts import canonical_ip_text, split_authority
+from egressbox.policy import ENV_ALLOW, ENV_DENY, Mode, Policy, load_policy, parse_policy
+
+if TYPE_CHECKING:
+    from egressbox.resolve import DnsResolver
+
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_START = 3
+EXPLAIN_DEFAULT_PORT = 443
+
+DESCRIPTION = """\
+egressbox decides which network destinations a program may reach.
+
+A policy file (TOML) lists the hosts a program may talk to; egressbox
+resolves names itself, checks every address and refuses the rest.
+Start with `egressbox check POLICY` and `egressbox explain --policy POLICY HOST`.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="egressbox",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"egressbox {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_check(sub)
+    _add_explain(sub)
+    _add_doctor(sub)
+    return parser
+
+
+def _add_check(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "check",
+        help="validate policy files and report every problem",
+        description="Validate policy files. Prints every problem with its key and the fix, "
+        "then warnings. Exit 0 when all files are valid, 2 otherwise.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="policy file (TOML)")
+    p.add_argument("--quiet", "-q", action="store_true", help="print errors only")
+
+
+def _add_explain(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="show what a policy decides for a destination (resolving it for real)",
+        description="Decide HOST[:PORT] as the proxy would: name rules, real DNS resolution, "
+        "every address checked. Prints the decision, the reason code, the matching rule and "
+        f"the addresses. The port defaults to {EXPLAIN_DEFAULT_PORT}. A malformed target is "
+        "a deny with bad_host or bad_port (exit 0).",
+    )
+    p.add_argument("target", metavar="HOST[:PORT]", help="e.g. pypi.org:443 or [2001:db8::1]:80")
+    p.add_argument(
+        "--policy",
+        metavar="FILE",
+        help=f"policy file (TOML); without it and without {ENV_ALLOW}, everything is denied",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_nameserver(p)
+
+
+def _add_nameserver(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nameserver",
+        action="append",
+        default=[],
+        metavar="IP[:PORT]",
+        help="use only this DNS server (repeatable); the hosts file and the system "
+        "configuration are then not consulted",
+    )
+
+
+def _add_doctor(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="show which confinement mechanisms this host supports",
+        description="Probe this host: Landlock ABI, seccomp, no_new_privs, user, network, "
+        "mount and PID namespaces. Nothing is changed.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"check": cmd_check, "explain": cmd_explain, "doctor": cmd_doctor}
+    try:
+        return handlers[args.command](args)
+    except PolicyError as exc:
+        _print_policy_error(exc, sys.stderr)
+        return EXIT_USAGE
+    except EgressboxError as exc:
+        print(f"egressbox: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `egressbox ... | head`: the reader left; exit quietly like coreutils.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_RUNTIME
+
+
+def _print_policy_error(exc: PolicyError, out: TextIO) -> None:
+    count = len(exc.problems)
+    where = exc.source or "policy"
+    print(f"{where}: {count} problem{'s' if count != 1 else ''}:", file=out)
+    for problem in exc.problems:
+        print(f"  {problem}", file=out)
+
+
+# -- check ---------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    for path in args.files:
+        try:
+            policy = load_policy(path, env={})
+        except PolicyError as exc:
+            _print_policy_error(exc, sys.stdout)
+            status = EXIT_USAGE
+            continue
+        print(f"{path}: ok ({_summary(policy)})")
+        if not args.quiet:
+            for warning in policy.warnings:
+                print(f"  warning: {warning}")
+    return status
+
+
+def _summary(policy: Policy) -> str:
+    allow, deny = len(policy.allow.rules), len(policy.deny.rules)
+    return (
+        f"{allow} allow, {deny} deny, {len(policy.allow_cidrs)} allow_cidrs, "
+        f"{len(policy.deny_cidrs)} deny_cidrs; mode {policy.mode.value}"
+    )
+
+
+# -- explain -------------------------------------------------------------------------
+
+
+def load_cli_policy(path: str | None) -> Policy | None:
+    """The policy of a command: the file plus environment overrides, or none at all."""
+    if path is not None:
+        return load_policy(path)
+    if os.environ.get(ENV_ALLOW) or os.environ.get(ENV_DENY):
+        return parse_policy({}, source="environment")
+    return None
+
+
+def split_target(text: str) -> tuple[str, str | int]:
+    """`HOST[:PORT]` for explain; a bare IPv6 address is accepted without brackets."""
+    try:
+        host, port = split_authority(text)
+    except HostError:
+        # A bare IPv6 address (no port), or garbage that check() will call bad_host.
+        return text, EXPLAIN_DEFAULT_PORT
+    return host, EXPLAIN_DEFAULT_PORT if port is None else port
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from egressbox.egress import check
+    from egressbox.resolve import parse_nameserver
+
+    policy = load_cli_policy(args.policy)
+    if policy is not None and policy.mode is Mode.REPORT:
+        print("egressbox: warning: report mode lets denied names through", file=sys.stderr)
+    try:
+        servers = [parse_nameserver(text) for text in args.nameserver]
+    except ValueError as exc:
+        print(f"egressbox: --nameserver: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    resolver = make_resolver(policy, servers)
+    host, port = split_target(args.target)
+    decision = asyncio.run(check(policy, resolver, host, port))
+    print(_explain_json(decision) if args.json else _explain_text(decision))
+    return EXIT_OK
+
+
+def make_resolver(policy: Policy | None, servers: list[tuple[str, int]]) -> DnsResolver:
+    """The resolver a command uses: --nameserver wins over [dns] nameservers."""
+    from egressbox.resolve import DnsResolver
+
+    settings = policy.dns if policy is not None else None
+    if not servers and settings is not None and settings.nameservers:
+        servers = [(str(ip), port) for ip, port in settings.nameservers]
+    if settings is None:
+        return DnsResolver(servers or None)
+    return DnsResolver(
+        servers or None,
+        timeout=settings.timeout,
+        cache_size=settings.cache_size,
+        max_ttl=settings.max_ttl,
+    )
+
+
+def decision_dict(decision: Decision) -> dict[str, object]:
+    return {
+        "decision": decision.verdict.value,
+        "reason": decision.reason.value,
+        "host": decision.host,
+        "port": decision.port,
+        "addresses": [canonical_ip_text(ip) for ip in decision.addresses],
+        "rule": decision.rule,
+        "detail": decision.detail,
+    }
+
+
+def _explain_json(decision: Decision) -> str:
+    return json.dumps(decision_dict(decision))
+
+
+def _explain_text(decision: Decision) -> str:
+    d = decision_dict(decision)
+    addresses = ", ".join(canonical_ip_text(ip) for ip in decision.addresses) or "-"
+    target = f"{decision.host}:{decision.port}" if decision.port else decision.host
+    return "\n".join(
+        [
+            f"{d['decision']}  {target}",
+            f"  reason:    {d['reason']}",
+            f"  rule:      {d['rule'] or '-'}",
+            f"  addresses: {addresses}",
+            f"  detail:    {d['detail']}",
+        ]
+    )
+
+
+# -- doctor --------------------------------------------------------------------------
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from egressbox.confine.probe import format_table, probe_host, to_json
+
+    support = probe_host()
+    print(json.dumps(to_json(support)) if args.json else format_table(support))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Reason codes and the error tree shared by every part of egressbox.
+
+This module imports nothing of ours, so any module may depend on it. Reason
+codes are a contract: the audit log, HTTP/SOCKS replies and stderr
+diagnostics all carry the same stable snake_case values, so never rename one.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """Why a destination was admitted or refused (stable; see README)."""
+
+    ALLOWED = "allowed"
+    NO_ALLOW_RULE = "no_allow_rule"
+    DENY_RULE = "deny_rule"
+    DENY_CIDR = "deny_cidr"
+    PRIVATE_ADDRESS = "private_address"
+    SPECIAL_ADDRESS = "special_address"
+    SELF_CONNECTION = "self_connection"
+    DNS_FAILURE = "dns_failure"
+    DNS_TIMEOUT = "dns_timeout"
+    BAD_HOST = "bad_host"
+    BAD_PORT = "bad_port"
+    NO_POLICY = "no_policy"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+
+
+class Verdict(StrEnum):
+    """The decision an audit record carries."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+    # Report mode only: a name rule would have denied, but it was let through.
+    WOULD_DENY = "would_deny"
+
+
+class EgressboxError(Exception):
+    """Base of every error egressbox raises on purpose."""
+
+
+class HostError(EgressboxError):
+    """A host or port that is not acceptable; carries the reason code."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class PolicyError(EgressboxError):
+    """A policy that cannot be used; lists every problem found, each located."""
+
+    def __init__(self, problems: list[str], source: str = "") -> None:
+        self.problems = list(problems)
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        super().__init__("\n".join(prefix + p for p in self.problems))
+
+
+class ResolveError(EgressboxError):
+    """DNS resolution failed; reason is dns_failure or dns_timeout."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class AuditError(EgressboxError):
+    """An audit record could not be written or read."""

@@ -1,0 +1,437 @@
+"""The policy file: TOML into a frozen, validated, indexed Policy.
+
+Pure apart from reading the file. Every problem is collected (not just the
+first) and names its key path and the fix, e.g.
+`egress.allow[2]: "*.com" is too broad; ...`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from egressbox import limits as lim
+from egressbox.addresses import PRIVATE_LIKE, is_routable, lookup
+from egressbox.errors import HostError, PolicyError
+from egressbox.hosts import IPAddress, parse_ip_endpoint
+from egressbox.rules import (
+    CidrIndex,
+    IPNetwork,
+    PatternError,
+    Rule,
+    RuleKind,
+    RuleSet,
+    min_prefix,
+    parse_network,
+    parse_pattern,
+)
+
+N = TypeVar("N", int, float)
+
+ENV_ALLOW = "EGRESSBOX_ALLOW"
+ENV_DENY = "EGRESSBOX_DENY"
+
+
+class Mode(StrEnum):
+    ENFORCE = "enforce"
+    REPORT = "report"
+
+
+@dataclass(frozen=True, slots=True)
+class DnsSettings:
+    nameservers: tuple[tuple[IPAddress, int], ...] = ()
+    timeout: float = lim.DNS_TIMEOUT
+    cache_size: int = lim.DNS_CACHE_SIZE
+    max_ttl: float = lim.DNS_MAX_TTL
+
+
+@dataclass(frozen=True, eq=False)
+class Policy:
+    """A validated policy. Build it with parse_policy() or load_policy()."""
+
+    allow: RuleSet = field(default_factory=RuleSet)
+    deny: RuleSet = field(default_factory=RuleSet)
+    allow_cidrs: tuple[IPNetwork, ...] = ()
+    deny_cidrs: tuple[IPNetwork, ...] = ()
+    allow_private: bool = False
+    mode: Mode = Mode.ENFORCE
+    dns: DnsSettings = field(default_factory=DnsSettings)
+    limits: lim.Limits = field(default_factory=lim.Limits)
+    source: str = ""
+    warnings: tuple[str, ...] = ()
+    _allow_cidr_index: CidrIndex[IPNetwork] = field(default_factory=CidrIndex, repr=False)
+    _deny_cidr_index: CidrIndex[IPNetwork] = field(default_factory=CidrIndex, repr=False)
+
+    def __post_init__(self) -> None:
+        for net in self.allow_cidrs:
+            self._allow_cidr_index.add(net, net)
+        for net in self.deny_cidrs:
+            self._deny_cidr_index.add(net, net)
+
+    def allow_cidr_for(self, ip: IPAddress) -> IPNetwork | None:
+        return self._allow_cidr_index.first(ip)
+
+    def deny_cidr_for(self, ip: IPAddress) -> IPNetwork | None:
+        return self._deny_cidr_index.first(ip)
+
+
+EGRESS_KEYS = ("allow", "deny", "allow_cidrs", "deny_cidrs", "allow_private", "mode")
+DNS_KEYS = ("nameservers", "timeout", "cache_size", "max_ttl")
+TOP_KEYS = ("egress", "dns", "limits")
+RULE_TABLE_KEYS = ("host", "private", "broad")
+CIDR_TABLE_KEYS = ("cidr", "broad")
+
+
+def load_policy(path: str, *, env: Mapping[str, str] | None = None) -> Policy:
+    """Read and validate a policy file; PolicyError lists every problem."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise PolicyError([f"cannot read the policy file: {exc.strerror}"], path) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError([f"not valid TOML: {exc}"], path) from None
+    except UnicodeDecodeError as exc:
+        # TOML is UTF-8 (tomllib decodes before parsing and lets this escape).
+        bad = exc.object[exc.start]
+        raise PolicyError(
+            [
+                f"not valid TOML: the file is not UTF-8 text (byte 0x{bad:02x} at offset "
+                f"{exc.start}); save it as UTF-8"
+            ],
+            path,
+        ) from None
+    return parse_policy(data, source=path, env=env)
+
+
+def parse_policy(
+    data: Mapping[str, Any], *, source: str = "", env: Mapping[str, str] | None = None
+) -> Policy:
+    """Validate a policy mapping (as read from TOML) into a Policy."""
+    parser = _Parser(source)
+    policy = parser.policy(data, os.environ if env is None else env)
+    if parser.problems:
+        raise PolicyError(parser.problems, source)
+    return policy
+
+
+def _type_name(value: object) -> str:
+    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
+    names |= {list: "a list", dict: "a table"}
+    return names.get(type(value), type(value).__name__)
+
+
+class _Parser:
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+        # Key path of each kept allow rule (file entries, then EGRESSBOX_ALLOW).
+        self.allow_paths: list[str] = []
+
+    def problem(self, path: str, message: str) -> None:
+        self.problems.append(f"{path}: {message}")
+
+    def unknown_keys(self, table: Mapping[str, Any], known: Sequence[str], prefix: str) -> None:
+        for key in table:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f'did you mean "{close[0]}"? ' if close else ""
+                where = f"{prefix}{key}"
+                self.problem(where, f"unknown key; {hint}known keys: {', '.join(known)}")
+
+    def table(self, data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+        value = data.get(key, {})
+        if not isinstance(value, dict):
+            self.problem(key, f"must be a table ([{key}]), got {_type_name(value)}")
+            return {}
+        return value
+
+    def policy(self, data: Mapping[str, Any], env: Mapping[str, str]) -> Policy:
+        self.unknown_keys(data, TOP_KEYS, "")
+        egress = self.table(data, "egress")
+        self.unknown_keys(egress, EGRESS_KEYS, "egress.")
+        allow = self.rules(egress, "allow", env.get(ENV_ALLOW, ""), ENV_ALLOW)
+        deny = self.rules(egress, "deny", env.get(ENV_DENY, ""), ENV_DENY)
+        allow_cidrs = self.cidrs(egress, "allow_cidrs", check_breadth=True)
+        deny_cidrs = self.cidrs(egress, "deny_cidrs", check_breadth=False)
+        allow_private = self.boolean(egress, "allow_private", "egress.allow_private")
+        mode = self.mode(egress)
+        policy = Policy(
+            allow=RuleSet.build(allow),
+            deny=RuleSet.build(deny),
+            allow_cidrs=tuple(allow_cidrs),
+            deny_cidrs=tuple(deny_cidrs),
+            allow_private=allow_private,
+            mode=mode,
+            dns=self.dns(self.table(data, "dns")),
+            limits=self.limits(self.table(data, "limits")),
+            source=self.source,
+        )
+        self.warn_about(policy)
+        object.__setattr__(policy, "warnings", tuple(self.warnings))
+        return policy
+
+    # -- egress.allow / egress.deny -------------------------------------------------
+
+    def rules(
+        self, egress: Mapping[str, Any], key: str, env_text: str, env_name: str
+    ) -> list[Rule]:
+        path = f"egress.{key}"
+        entries = egress.get(key, [])
+        if not isinstance(entries, list):
+            self.problem(
+                path, f'must be a list, got {_type_name(entries)}; e.g. {key} = ["pypi.org:443"]'
+            )
+            entries = []
+        paths = [f"{path}[{i}]" for i in range(len(entries))]
+        extra = [item for item in env_text.split(",") if item.strip()]
+        paths += [f"{env_name}[{i}]" for i in range(len(extra))]
+        parsed = [
+            self.rule(entry, at, key) for entry, at in zip([*entries, *extra], paths, strict=True)
+        ]
+        kept = [(at, rule) for at, rule in zip(paths, parsed, strict=True) if rule is not None]
+        if key == "allow":
+            self.allow_paths = [at for at, _ in kept]
+        return [rule for _, rule in kept]
+
+    def rule(self, entry: object, path: str, key: str) -> Rule | None:
+        private = broad = False
+        if isinstance(entry, dict):
+            self.unknown_keys(entry, RULE_TABLE_KEYS, path + ".")
+            private = self.boolean(entry, "private", path + ".private")
+            broad = self.boolean(entry, "broad", path + ".broad")
+            entry = entry.get("host")
+            if not isinstance(entry, str):
+                self.problem(
+                    path,
+                    'a table entry needs host = "PATTERN", e.g. '
+                    '{ host = "db.corp", private = true }',
+                )
+                return None
+        if not isinstance(entry, str):
+            self.problem(path, f"must be a string or a table, got {_type_name(entry)}")
+            return None
+        try:
+            rule = parse_pattern(entry, private=private, broad=broad)
+        except PatternError as exc:
+            self.problem(path, str(exc))
+            return None
+        if key == "allow" and rule.is_too_broad() and not broad:
+            self.problem(path, _too_broad(entry.strip(), rule))
+        return rule
+
+    # -- egress.allow_cidrs / egress.deny_cidrs -------------------------------------
+
+    def cidrs(self, egress: Mapping[str, Any], key: str, *, check_breadth: bool) -> list[IPNetwork]:
+        path = f"egress.{key}"
+        entries = egress.get(key, [])
+        if not isinstance(entries, list):
+            self.problem(
+                path, f'must be a list, got {_type_name(entries)}; e.g. {key} = ["10.0.0.0/8"]'
+            )
+            return []
+        found = [self.cidr(e, f"{path}[{i}]", check_breadth) for i, e in enumerate(entries)]
+        return [net for net in found if net is not None]
+
+    def cidr(self, entry: object, path: str, check_breadth: bool) -> IPNetwork | None:
+        broad = False
+        if isinstance(entry, dict) and check_breadth:
+            self.unknown_keys(entry, CIDR_TABLE_KEYS, path + ".")
+            broad = self.boolean(entry, "broad", path + ".broad")
+            entry = entry.get("cidr")
+            if not isinstance(entry, str):
+                self.problem(
+                    path,
+                    'a table entry needs cidr = "NETWORK", e.g. '
+                    '{ cidr = "0.0.0.0/0", broad = true }',
+                )
+                return None
+        if not isinstance(entry, str):
+            self.problem(
+                path, f'must be a CIDR string such as "10.0.0.0/8", got {_type_name(entry)}'
+            )
+            return None
+        text = entry.strip()
+        try:
+            network = parse_network(text if "/" in text else _host_cidr(text))
+        except PatternError as exc:
+            # A bare address is read as a host network; name the text as written.
+            message = str(exc) if "/" in text else f'"{text}" is not an IP address or network'
+            if "/" not in text:
+                message += "; write it as ADDRESS/LENGTH, e.g. 10.0.0.0/8 or 2001:db8::/32"
+            self.problem(path, message)
+            return None
+        if check_breadth and not broad and network.prefixlen < min_prefix(network):
+            self.problem(
+                path,
+                f'"{text}" is too broad: it would lift the private-address ban for a huge '
+                f"range; list narrower networks, or write "
+                f'{{ cidr = "{text}", broad = true }} if you mean it',
+            )
+        return network
+
+    # -- scalars and other tables ---------------------------------------------------
+
+    def boolean(self, table: Mapping[str, Any], key: str, path: str) -> bool:
+        value = table.get(key, False)
+        if not isinstance(value, bool):
+            self.problem(path, f"must be true or false, got {_type_name(value)}")
+            return False
+        return value
+
+    def mode(self, egress: Mapping[str, Any]) -> Mode:
+        value = egress.get("mode", "enforce")
+        try:
+            return Mode(value)
+        except ValueError:
+            self.problem("egress.mode", f'must be "enforce" or "report", got {value!r}')
+            return Mode.ENFORCE
+
+    def dns(self, table: Mapping[str, Any]) -> DnsSettings:
+        self.unknown_keys(table, DNS_KEYS, "dns.")
+        servers = table.get("nameservers", [])
+        if not isinstance(servers, list):
+            self.problem("dns.nameservers", 'must be a list such as ["127.0.0.1:53"]')
+            servers = []
+        parsed = [self.nameserver(s, f"dns.nameservers[{i}]") for i, s in enumerate(servers)]
+        default = DnsSettings()
+        return DnsSettings(
+            nameservers=tuple(p for p in parsed if p is not None),
+            timeout=self.number(
+                table, "timeout", "dns", kind=float, bounds=(0.05, 60.0), default=default.timeout
+            ),
+            cache_size=self.number(
+                table, "cache_size", "dns", kind=int, bounds=(0, 10**7), default=default.cache_size
+            ),
+            max_ttl=self.number(
+                table, "max_ttl", "dns", kind=float, bounds=(0.0, 86400.0), default=default.max_ttl
+            ),
+        )
+
+    def nameserver(self, entry: object, path: str) -> tuple[IPAddress, int] | None:
+        if not isinstance(entry, str):
+            self.problem(path, f'must be a string "IP[:PORT]", got {_type_name(entry)}')
+            return None
+        try:
+            return parse_ip_endpoint(entry.strip(), 53)
+        except HostError:
+            self.problem(
+                path, f'"{entry}" is not IP[:PORT]; e.g. "1.1.1.1", "[2606:4700::1111]:53"'
+            )
+            return None
+
+    def limits(self, table: Mapping[str, Any]) -> lim.Limits:
+        self.unknown_keys(table, tuple(lim.LIMIT_BOUNDS), "limits.")
+        default = lim.Limits()
+        values: dict[str, Any] = {}
+        for key, (kind, low, high) in lim.LIMIT_BOUNDS.items():
+            values[key] = self.number(
+                table, key, "limits", kind=kind, bounds=(low, high), default=getattr(default, key)
+            )
+        return lim.Limits(**values)
+
+    def number(
+        self,
+        table: Mapping[str, Any],
+        key: str,
+        prefix: str,
+        *,
+        kind: Callable[[Any], N],
+        bounds: tuple[float, float],
+        default: N,
+    ) -> N:
+        value = table.get(key, default)
+        ok_type = isinstance(value, int | float) if kind is float else isinstance(value, int)
+        if isinstance(value, bool) or not ok_type:
+            wanted = "a number" if kind is float else "a whole number"
+            got = repr(value) if isinstance(value, float) else _type_name(value)
+            self.problem(f"{prefix}.{key}", f"must be {wanted}, got {got}")
+            return default
+        if not bounds[0] <= value <= bounds[1]:
+            self.problem(
+                f"{prefix}.{key}",
+                f"must be between {_bound(bounds[0])} and {_bound(bounds[1])}, got {value}",
+            )
+            return default
+        return kind(value)
+
+    # -- warnings -------------------------------------------------------------------
+
+    def warn_about(self, policy: Policy) -> None:
+        for path, rule in zip(self.allow_paths, policy.allow.rules, strict=True):
+            self.warn_rule(policy, rule, path)
+        if not policy.allow.rules:
+            self.warnings.append(
+                "egress.allow is empty: every destination is denied"
+                if policy.mode is Mode.ENFORCE
+                else "egress.allow is empty: in report mode every destination is only audited"
+            )
+        if policy.mode is Mode.REPORT:
+            self.warnings.append(REPORT_MODE_WARNING)
+
+    def warn_rule(self, policy: Policy, rule: Rule, path: str) -> None:
+        if rule.kind in (RuleKind.WILDCARD, RuleKind.ANY_NAME):
+            self.warnings.append(
+                f'{path}: "{rule.text}" lets a client choose names that the proxy resolves, '
+                "so a client can send DNS queries to that zone's servers"
+            )
+        ip = _rule_address(rule)
+        if ip is None:
+            return
+        category = lookup(ip).category
+        if is_routable(category) or policy.allow_cidr_for(ip) is not None:
+            return
+        if category in PRIVATE_LIKE and (rule.private or policy.allow_private):
+            return
+        self.warnings.append(
+            f'{path}: "{rule.text}" is a {category.value.replace("_", "-")} address and stays '
+            f"denied unless egress.allow_cidrs covers it"
+            + (
+                ' or the entry is written { host = "...", private = true }'
+                if category in PRIVATE_LIKE
+                else ""
+            )
+        )
+
+
+REPORT_MODE_WARNING = (
+    'mode = "report": destinations outside the allow list are let through and audited as '
+    "would_deny; use it to learn what a trusted program needs, never to confine an untrusted one"
+)
+
+
+def _rule_address(rule: Rule) -> IPAddress | None:
+    if rule.kind is RuleKind.IP:
+        return ipaddress.ip_address(rule.value)
+    if rule.kind is RuleKind.CIDR and rule.network is not None:
+        return rule.network.network_address
+    return None
+
+
+def _bound(value: float) -> str:
+    # 1048576, not 1.04858e+06: the user copies the number into the file.
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _host_cidr(text: str) -> str:
+    # A bare address in a CIDR list means that one address.
+    return f"{text}/{32 if '.' in text and ':' not in text else 128}"
+
+
+def _too_broad(text: str, rule: Rule) -> str:
+    why = {
+        RuleKind.ANY_NAME: "it admits every name",
+        RuleKind.WILDCARD: "a one-label suffix admits a whole top-level domain",
+        RuleKind.CIDR: "it admits a large part of the Internet",
+    }.get(rule.kind, "it admits too much")
+    return (
+        f'"{text}" is too broad ({why}); list the hosts you need, or write '
+        f'{{ host = "{text}", broad = true }} if you mean it'
+    )

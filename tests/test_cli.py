@@ -1,0 +1,211 @@
+"""The `egressbox` command: check, explain (with real DNS on loopback), doctor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dnsserver import AAAA, A, DnsServer
+from egressbox.cli import main
+
+GOOD = """\
+[egress]
+allow = ["pypi.org:443", "*.example.test", "db.test:5432"]
+deny = ["bad.example.test"]
+deny_cidrs = ["169.254.169.254/32"]
+"""
+
+BAD = """\
+[egress]
+allow = ["*.com", "ok.test", 5]
+allow_cidrs = ["10.0.0/8"]
+mode = "reprt"
+colour = "blue"
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_check_ok_prints_summary_and_warnings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "good.toml", GOOD)
+    assert main(["check", path]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: ok (3 allow, 1 deny, 0 allow_cidrs, 1 deny_cidrs; mode enforce)" in out
+    assert "warning: egress.allow[1]" in out  # wildcard reaches the zone's DNS
+
+
+def test_check_reports_every_problem_with_key_and_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "bad.toml", BAD)
+    assert main(["check", path]) == 2
+    out = capsys.readouterr().out
+    assert f"{path}: 5 problems:" in out
+    assert 'egress.allow[0]: "*.com" is too broad' in out
+    assert "broad = true" in out
+    assert "egress.allow[2]: must be a string or a table, got an integer" in out
+    assert 'egress.allow_cidrs[0]: "10.0.0/8" is not a network; use "10.0.0.0/8"' in out
+    assert 'egress.mode: must be "enforce" or "report"' in out
+    assert "egress.colour: unknown key" in out
+
+
+def test_check_several_files_fails_if_any_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = write(tmp_path, "good.toml", GOOD)
+    bad = write(tmp_path, "bad.toml", BAD)
+    assert main(["check", good, bad]) == 2
+    out = capsys.readouterr().out
+    assert f"{good}: ok" in out and f"{bad}: 5 problems" in out
+
+
+def test_check_toml_syntax_error_names_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "broken.toml", '[egress]\nallow = ["a"\n')
+    assert main(["check", path]) == 2
+    assert "not valid TOML" in capsys.readouterr().out
+
+
+def test_check_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(tmp_path / "nope.toml")]) == 2
+    assert "cannot read the policy file" in capsys.readouterr().out
+
+
+def explain_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    assert main(["explain", "--json", *argv]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert isinstance(result, dict)
+    return result
+
+
+def test_explain_resolves_for_real(
+    tmp_path: Path, dns_server: DnsServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dns_server.set("a.example.test", A("93.184.216.34"), AAAA("2606:2800:220:1::1"))
+    path = write(tmp_path, "p.toml", GOOD)
+    ns = "{}:{}".format(*dns_server.nameserver)
+    got = explain_json(capsys, "--policy", path, "--nameserver", ns, "a.example.test:8443")
+    assert got["decision"] == "allow"
+    assert got["reason"] == "allowed"
+    assert got["rule"] == "*.example.test"
+    addresses = got["addresses"]
+    assert isinstance(addresses, list)
+    assert set(addresses) == {"2606:2800:220:1::1", "93.184.216.34"}
+    assert got["host"] == "a.example.test" and got["port"] == 8443
+
+
+def test_explain_denies_private_answer(
+    tmp_path: Path, dns_server: DnsServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dns_server.set("db.test", A("10.1.2.3"))
+    path = write(tmp_path, "p.toml", GOOD)
+    ns = "{}:{}".format(*dns_server.nameserver)
+    got = explain_json(capsys, "--policy", path, "--nameserver", ns, "db.test:5432")
+    assert (got["decision"], got["reason"], got["addresses"]) == (
+        "deny",
+        "private_address",
+        ["10.1.2.3"],
+    )
+
+
+def test_explain_no_allow_rule_makes_no_query(
+    tmp_path: Path, dns_server: DnsServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "p.toml", GOOD)
+    ns = "{}:{}".format(*dns_server.nameserver)
+    got = explain_json(capsys, "--policy", path, "--nameserver", ns, "evil.test")
+    assert (got["decision"], got["reason"], got["port"]) == ("deny", "no_allow_rule", 443)
+    assert dns_server.queries == []
+
+
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [
+        ("127.1:80", "bad_host"),
+        ("0x7f.1", "bad_host"),
+        ("user:secret@pypi.org:443", "bad_host"),
+        ("pypi.org:99999", "bad_port"),
+        ("pypi.org:+443", "bad_port"),
+        ("[fe80::1%eth0]:80", "bad_host"),
+        ("", "bad_host"),
+    ],
+)
+def test_explain_malformed_targets_are_decisions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str, reason: str
+) -> None:
+    path = write(tmp_path, "p.toml", GOOD)
+    got = explain_json(capsys, "--policy", path, target)
+    assert (got["decision"], got["reason"]) == ("deny", reason)
+    assert "secret" not in json.dumps(got)
+
+
+def test_explain_without_policy_denies_everything(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("EGRESSBOX_ALLOW", raising=False)
+    monkeypatch.delenv("EGRESSBOX_DENY", raising=False)
+    got = explain_json(capsys, "pypi.org")
+    assert (got["decision"], got["reason"]) == ("deny", "no_policy")
+
+
+def test_explain_text_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "p.toml", GOOD)
+    assert main(["explain", "--policy", path, "bad.example.test:443"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "deny  bad.example.test:443"
+    assert out[1].split() == ["reason:", "deny_rule"]
+    assert out[2].split() == ["rule:", "bad.example.test"]
+
+
+def test_explain_bare_ipv6_and_bad_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "p.toml", GOOD)
+    got = explain_json(capsys, "--policy", path, "::1")
+    assert (got["host"], got["port"], got["reason"]) == ("::1", 443, "no_allow_rule")
+    bad = write(tmp_path, "bad.toml", BAD)
+    assert main(["explain", "--policy", bad, "pypi.org"]) == 2
+    assert "5 problems" in capsys.readouterr().err
+
+
+def test_explain_bad_nameserver_is_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "p.toml", GOOD)
+    assert main(["explain", "--policy", path, "--nameserver", "dns.google", "pypi.org"]) == 2
+    assert "--nameserver" in capsys.readouterr().err
+
+
+def test_doctor_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor"]) == 0
+    table = capsys.readouterr().out
+    for name in ("landlock", "seccomp", "user_namespace", "network_namespace"):
+        assert name in table
+    assert main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["mechanisms"]) >= {"landlock", "seccomp", "network_namespace"}
+
+
+def test_module_entry_point_and_help() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "egressbox", "--help"], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0
+    for command in ("check", "explain", "doctor"):
+        assert command in run.stdout
+    usage = subprocess.run(
+        [sys.executable, "-m", "egressbox", "explain"], capture_output=True, text=True, check=False
+    )
+    assert usage.returncode == 2
+    assert "HOST[:PORT]" in usage.stderr
