@@ -27,6 +27,11 @@ _EXPORTS = {
     "load_policy": "egressbox.policy",
     "parse_policy": "egressbox.policy",
     "DnsResolver": "egressbox.resolve",
+    "EgressProxy": "egressbox.server",
+    "run": "egressbox.run",
+    "run_sync": "egressbox.run",
+    "spawn_confined": "egressbox.run",
+    "RunResult": "egressbox.run",
     "Resolver": "egressbox.resolve",
 }
 
@@ -34,6 +39,7 @@ __all__ = [
     "AuditRecord",
     "Decision",
     "DnsResolver",
+    "EgressProxy",
     "EgressboxError",
     "JsonlFileSink",
     "Mode",
@@ -41,12 +47,16 @@ __all__ = [
     "PolicyError",
     "Reason",
     "Resolver",
+    "RunResult",
     "SelfEndpoints",
     "Verdict",
     "__version__",
     "check",
     "load_policy",
     "parse_policy",
+    "run",
+    "run_sync",
+    "spawn_confined",
 ]
 
 if TYPE_CHECKING:
@@ -56,6 +66,8 @@ if TYPE_CHECKING:
     from egressbox.errors import EgressboxError, PolicyError, Reason, Verdict
     from egressbox.policy import Mode, Policy, load_policy, parse_policy
     from egressbox.resolve import DnsResolver, Resolver
+    from egressbox.run import RunResult, run, run_sync, spawn_confined
+    from egressbox.server import EgressProxy
 
 
 def __getattr__(name: str) -> Any:

@@ -48,10 +48,114 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"egressbox {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_serve(sub)
+    _add_run(sub)
     _add_check(sub)
     _add_explain(sub)
     _add_doctor(sub)
     return parser
+
+
+def _add_serve(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the egress proxy (HTTP CONNECT, plain HTTP, SOCKS5)",
+        description="Run the egress proxy. Prints one JSON line to stdout when ready: "
+        '{"event": "ready", "http": "127.0.0.1:PORT", "socks5": "127.0.0.1:PORT"}. '
+        "SIGHUP reloads the policy (a bad file keeps the old one); SIGINT/SIGTERM stop "
+        "accepting, let open connections finish for [limits] drain_timeout, then exit 0. "
+        "Exit 2 on a bad policy, 3 when the proxy cannot start (port in use).",
+    )
+    p.add_argument("--policy", required=True, metavar="FILE", help="policy file (TOML)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="IP address to listen on (default 127.0.0.1; a wildcard makes an open proxy)",
+    )
+    p.add_argument("--http-port", type=int, default=0, metavar="N", help="0 picks a free port")
+    p.add_argument("--socks-port", type=int, default=0, metavar="N", help="0 picks a free port")
+    p.add_argument(
+        "--audit-log",
+        metavar="FILE",
+        help="append audit records (JSON Lines) to FILE; '-' writes them to stdout",
+    )
+    p.add_argument("--quiet", "-q", action="store_true", help="no per-connection line on stderr")
+    _add_nameserver(p)
+
+
+def _add_run(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a command confined behind a managed proxy",
+        description="Run CMD behind a managed proxy on ephemeral loopback ports, confined so "
+        "that the proxy is the only endpoint it can reach (network namespace, Landlock, "
+        "seccomp, no new privileges). stdin/stdout/stderr pass through; the exit code is "
+        "CMD's (128+N when it dies from signal N), 126 when the profile's required "
+        "confinement is unavailable, 127 when CMD is not found.",
+    )
+    p.add_argument(
+        "--policy",
+        metavar="FILE",
+        help=f"policy file (TOML); without it and without {ENV_ALLOW}, every destination is denied",
+    )
+    p.add_argument(
+        "--profile",
+        default="workspace_paths",
+        choices=["unrestricted", "workspace_paths", "worktree", "os_hardened"],
+        help="how strictly to confine (default workspace_paths; os_hardened refuses to run "
+        "without every mechanism)",
+    )
+    p.add_argument(
+        "--read-root",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a directory the command may read (repeatable)",
+    )
+    p.add_argument(
+        "--write-root",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a directory the command may write (repeatable; default: the current directory)",
+    )
+    p.add_argument(
+        "--env",
+        dest="env_policy",
+        default="inherited",
+        choices=["inherited", "isolated", "granted"],
+        help="which environment variables pass to the command",
+    )
+    p.add_argument(
+        "--grant",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="pass this variable (or set it) in the command's environment",
+    )
+    p.add_argument(
+        "--allow-loopback",
+        action="store_true",
+        help="let the command run and reach its own servers on its private lo",
+    )
+    p.add_argument(
+        "--pass-fd",
+        action="append",
+        type=int,
+        default=[],
+        metavar="N",
+        help="keep descriptor N open in the command (repeatable)",
+    )
+    p.add_argument("--audit-log", metavar="FILE", help="append audit records to FILE")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print what each confinement mechanism enforced, on stderr",
+    )
+    p.add_argument("--quiet", "-q", action="store_true", help="no per-connection lines")
+    _add_nameserver(p)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
 
 def _add_check(sub: Subparsers) -> None:
@@ -107,7 +211,13 @@ def _add_doctor(sub: Subparsers) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"check": cmd_check, "explain": cmd_explain, "doctor": cmd_doctor}
+    handlers = {
+        "serve": cmd_serve,
+        "run": cmd_run,
+        "check": cmd_check,
+        "explain": cmd_explain,
+        "doctor": cmd_doctor,
+    }
     try:
         return handlers[args.command](args)
     except PolicyError as exc:
@@ -247,6 +357,42 @@ def _explain_text(decision: Decision) -> str:
             f"  detail:    {d['detail']}",
         ]
     )
+
+
+# -- serve ---------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from egressbox.serve import ServeOptions, serve
+
+    options = ServeOptions(
+        policy_path=args.policy,
+        listen=args.listen,
+        http_port=args.http_port,
+        socks_port=args.socks_port,
+        audit_log=args.audit_log,
+        quiet=args.quiet,
+        nameservers=tuple(args.nameserver),
+    )
+    return serve(options)
+
+
+# -- run -----------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from egressbox.run import run_command
+
+    argv = list(args.cmd)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print(
+            "egressbox run: give the command after --, e.g. egressbox run -- curl URL",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    return run_command(args, argv)
 
 
 # -- doctor --------------------------------------------------------------------------

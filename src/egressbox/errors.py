@@ -26,6 +26,9 @@ class Reason(StrEnum):
     BAD_PORT = "bad_port"
     NO_POLICY = "no_policy"
     TOO_MANY_CONNECTIONS = "too_many_connections"
+    # Replies and logs only: the audit sink failed, so nothing is admitted
+    # (and no record can say so).
+    AUDIT_UNAVAILABLE = "audit_unavailable"
 
 
 class Verdict(StrEnum):

@@ -1,0 +1,285 @@
+"""The pure confinement plan: profile, roots and host support in, what to enforce out.
+
+No system calls here (reading directories for root expansion is the only
+I/O, in `expand_excluding`). The launcher applies a plan; `doctor` and
+`run --report` show one. A profile that requires a mechanism the host lacks
+yields a Refusal that names the mechanism, its availability, the profile and
+what would admit it, so `run` can fail closed (exit 126).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Profile(StrEnum):
+    """Ordered from least to most confined; nesting picks the strictest."""
+
+    UNRESTRICTED = "unrestricted"
+    WORKSPACE_PATHS = "workspace_paths"
+    WORKTREE = "worktree"
+    OS_HARDENED = "os_hardened"
+
+    @property
+    def rank(self) -> int:
+        return list(Profile).index(self)
+
+
+def strictest(*profiles: Profile | None) -> Profile:
+    given = [p for p in profiles if p is not None]
+    return max(given, key=lambda p: p.rank) if given else Profile.WORKSPACE_PATHS
+
+
+class Mechanism(StrEnum):
+    NETWORK_NAMESPACE = "network_namespace"
+    MOUNT_NAMESPACE = "mount_namespace"
+    PID_NAMESPACE = "pid_namespace"
+    LANDLOCK_FS = "landlock_fs"
+    LANDLOCK_NET = "landlock_net"
+    LANDLOCK_SCOPE = "landlock_scope"
+    SECCOMP = "seccomp"
+    CAPABILITIES = "capabilities"
+
+
+class Enforcement(StrEnum):
+    FULL = "full"
+    PARTIAL = "partial"
+    NONE = "none"
+
+
+# What each profile wants. `required`: missing -> refuse (exit 126).
+# `wanted`: applied when the host has it, reported honestly when not.
+_WANTED: dict[Profile, frozenset[Mechanism]] = {
+    Profile.UNRESTRICTED: frozenset(
+        {Mechanism.NETWORK_NAMESPACE, Mechanism.LANDLOCK_NET, Mechanism.SECCOMP}
+    ),
+    Profile.WORKSPACE_PATHS: frozenset(Mechanism),
+    Profile.WORKTREE: frozenset(Mechanism),
+    Profile.OS_HARDENED: frozenset(Mechanism),
+}
+_REQUIRED: dict[Profile, frozenset[Mechanism]] = {
+    Profile.UNRESTRICTED: frozenset(),
+    Profile.WORKSPACE_PATHS: frozenset(),
+    Profile.WORKTREE: frozenset(),
+    Profile.OS_HARDENED: frozenset(Mechanism),
+}
+# Which host capability (confine.probe mechanism name) each one needs.
+HOST_NEEDS: dict[Mechanism, str] = {
+    Mechanism.NETWORK_NAMESPACE: "network_namespace",
+    Mechanism.MOUNT_NAMESPACE: "mount_namespace",
+    Mechanism.PID_NAMESPACE: "pid_namespace",
+    Mechanism.LANDLOCK_FS: "landlock",
+    Mechanism.LANDLOCK_NET: "landlock",
+    Mechanism.LANDLOCK_SCOPE: "landlock",
+    Mechanism.SECCOMP: "seccomp",
+    Mechanism.CAPABILITIES: "no_new_privs",
+}
+_MIN_ABI = {Mechanism.LANDLOCK_FS: 1, Mechanism.LANDLOCK_NET: 4, Mechanism.LANDLOCK_SCOPE: 6}
+ADMIT_HINT: dict[Mechanism, str] = {
+    Mechanism.NETWORK_NAMESPACE: "run as root or allow unprivileged user namespaces "
+    "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0)",
+    Mechanism.MOUNT_NAMESPACE: "run as root or allow unprivileged user namespaces",
+    Mechanism.PID_NAMESPACE: "run as root or allow unprivileged user namespaces",
+    Mechanism.LANDLOCK_FS: "boot a kernel >= 5.13 with lsm=...,landlock",
+    Mechanism.LANDLOCK_NET: "a kernel >= 6.7 (Landlock ABI 4) with Landlock enabled",
+    Mechanism.LANDLOCK_SCOPE: "a kernel >= 6.12 (Landlock ABI 6) with Landlock enabled",
+    Mechanism.SECCOMP: "a kernel with CONFIG_SECCOMP_FILTER and libseccomp2 installed",
+    Mechanism.CAPABILITIES: "a kernel with prctl(PR_SET_NO_NEW_PRIVS)",
+}
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the host supports (from confine.probe), reduced to what planning needs."""
+
+    available: frozenset[str]  # probe mechanism names whose status is "available"
+    status: Mapping[str, str] = field(default_factory=dict)  # name -> availability text
+    landlock_abi: int = 0
+    euid: int = 0
+
+
+def host_has(facts: HostFacts, mechanism: Mechanism) -> bool:
+    if HOST_NEEDS[mechanism] not in facts.available:
+        return False
+    return facts.landlock_abi >= _MIN_ABI.get(mechanism, 0)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A profile's required mechanism is missing: run must not start the command."""
+
+    mechanism: Mechanism
+    availability: str  # absent_on_host | cannot_attach
+    profile: Profile
+    admit: str
+
+    def message(self) -> str:
+        return (
+            f"refused: profile {self.profile.value} requires {self.mechanism.value}, "
+            f"which is {self.availability} here; to admit it: {self.admit}"
+        )
+
+
+def choose_mechanisms(
+    profile: Profile, facts: HostFacts
+) -> tuple[frozenset[Mechanism], list[Refusal]]:
+    """The mechanisms to apply, and refusals for required ones that are missing."""
+    chosen = frozenset(m for m in _WANTED[profile] if host_has(facts, m))
+    refusals = [
+        Refusal(m, _availability(facts, m), profile, ADMIT_HINT[m])
+        for m in sorted(_REQUIRED[profile] - chosen)
+    ]
+    return chosen, refusals
+
+
+def _availability(facts: HostFacts, mechanism: Mechanism) -> str:
+    status = facts.status.get(HOST_NEEDS[mechanism], "absent_on_host")
+    if status == "available":  # present, but the Landlock ABI is too old
+        return "absent_on_host"
+    return status
+
+
+def wanted(profile: Profile) -> frozenset[Mechanism]:
+    return _WANTED[profile]
+
+
+# -- filesystem ----------------------------------------------------------------------
+
+# Read (and execute) for every confined program: the system's runtime.
+SYSTEM_RUNTIME = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+SYSTEM_READ_ONLY_EXTRA = ("/proc", "/sys", "/var/lib", "/var/cache", "/snap")
+# Written by nearly every program: the null device and terminals.
+DEVICE_WRITE = ("/dev",)
+# Per-user toolchains often installed under the home directory (pyenv, rustup...).
+DEVELOPER_TOOLCHAINS = (
+    "~/.pyenv",
+    "~/.local/bin",
+    "~/.local/lib",
+    "~/.local/share/uv",
+    "~/.cargo",
+    "~/.rustup",
+    "~/.nvm",
+    "~/.volta",
+    "~/.bun",
+    "~/.deno",
+    "~/go",
+    "~/.sdkman",
+    "~/.rbenv",
+    "/usr/local/go",
+)
+PACKAGE_MANAGER_CONFIG = (
+    "~/.config/pip",
+    "~/.pip",
+    "~/.config/uv",
+    "~/.gitconfig",
+    "~/.config/git",
+    "~/.cargo/config.toml",
+    "~/.condarc",
+)
+USER_TEMP = ("/tmp", "/var/tmp")
+# Never readable, whatever is granted: credentials.
+CREDENTIALS = (
+    "~/.ssh",
+    "~/.aws",
+    "~/.azure",
+    "~/.config/gcloud",
+    "~/.config/gh",
+    "~/.netrc",
+    "~/.git-credentials",
+    "~/.docker/config.json",
+    "~/.kube",
+    "~/.gnupg",
+    "~/.pypirc",
+)
+PRESETS: dict[str, tuple[str, ...]] = {
+    "system_runtime": SYSTEM_RUNTIME,
+    "developer_toolchains": DEVELOPER_TOOLCHAINS,
+    "package_manager_config": PACKAGE_MANAGER_CONFIG,
+    "user_temp": USER_TEMP,
+}
+DEFAULT_PRESETS = ("system_runtime", "developer_toolchains", "package_manager_config", "user_temp")
+
+
+def expand_user(path: str, home: str) -> str:
+    if path == "~" or path.startswith("~/"):
+        return home + path[1:]
+    return path
+
+
+def is_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class FsPlan:
+    read: tuple[str, ...]  # read + execute
+    write: tuple[str, ...]  # read + write + execute (workspace, temp)
+    deny: tuple[str, ...]  # credential paths: beat every grant
+    read_only_inside_write: tuple[str, ...] = ()  # ro roots nested in rw roots (bind ro)
+
+
+def plan_filesystem(
+    *,
+    home: str,
+    write_roots: Sequence[str],
+    read_roots: Sequence[str],
+    executables: Sequence[str],
+    presets: Sequence[str] = DEFAULT_PRESETS,
+    deny: Sequence[str] = CREDENTIALS,
+    protected_files: Sequence[str] = (),
+) -> FsPlan:
+    """Roots as absolute paths; credential paths beat grants (see expand_excluding)."""
+    denied = tuple(_norm(expand_user(p, home)) for p in deny)
+    read: list[str] = []
+    for name in presets:
+        if name == "user_temp":
+            continue
+        read += [expand_user(p, home) for p in PRESETS[name]]
+    read += list(SYSTEM_READ_ONLY_EXTRA) + list(read_roots) + list(executables)
+    write = [_norm(p) for p in write_roots]
+    if "user_temp" in presets:
+        write += list(USER_TEMP)
+    write += list(DEVICE_WRITE)
+    nested = tuple(
+        p for p in (*read_roots, *protected_files) if any(is_under(p, w) for w in write_roots)
+    )
+    return FsPlan(
+        read=_dedupe(_norm(p) for p in read),
+        write=_dedupe(write),
+        deny=denied,
+        read_only_inside_write=_dedupe(_norm(p) for p in nested),
+    )
+
+
+def _norm(path: str) -> str:
+    return os.path.normpath(path) if path else path
+
+
+def _dedupe(paths: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(paths))
+
+
+def expand_excluding(root: str, denied: Sequence[str], listdir: object = os.listdir) -> list[str]:
+    """Grant `root` minus denied paths: Landlock is allow-only, so grant siblings.
+
+    `root` is replaced by its children, recursively along each denied path,
+    so that everything but the denied paths stays granted.
+    """
+    inside = [d for d in denied if is_under(d, root)]
+    if not inside:
+        return [root]
+    if root in inside:
+        return []
+    assert callable(listdir)
+    try:
+        names = sorted(listdir(root))
+    except OSError:
+        return []
+    granted: list[str] = []
+    for name in names:
+        child = os.path.join(root, name)
+        granted += expand_excluding(child, inside, listdir)
+    return granted

@@ -1,0 +1,744 @@
+"""The seccomp filter for confined children (DESIGN section 7, "seccomp").
+
+The network namespace leaves the child only the proxy's listener and Landlock holds it to TCP on
+the proxy's ports; this filter closes what neither of them sees: socket families and protocols
+that never pass Landlock's TCP hooks (UDP, raw, packet, netlink, vsock, MPTCP, SCTP), TCP Fast
+Open sends (landlock-lsm/linux#41), io_uring (its operations never pass through seccomp), ways
+back out of the namespaces (setns, unshare and clone with CLONE_NEW*), reaching into other
+processes (ptrace, process_vm_*), typing into the user's terminal (TIOCSTI), and the kernel's
+widest attack surface (bpf, perf, userfaultfd, keyrings, mounts, modules, kexec).
+
+The default action is ALLOW and every rule returns an errno, so a program gets an ordinary error
+it already handles (many fall back) instead of dying. Only a syscall made through a non-native
+ABI (i386 ``int 0x80``, x32) kills the process: the rules describe native syscall numbers only,
+so such a call would otherwise skip every one of them.
+
+Integer arguments reach seccomp as the full 64-bit register, while the kernel truncates most of
+them to ``int`` (FIELD-NOTES): an equality on the value alone is evaded by
+``socket(0x1_00000011, ...)``. Each comparison is therefore either masked to the bits the kernel
+reads, or an unsigned range over all 64 bits in which any stray high bit refuses.
+
+Two steps, because ``import pyseccomp`` runs ``ctypes.util.find_library``, which may spawn
+ldconfig and needs a temporary directory::
+
+    prepared = prepare(SeccompOptions())  # early, before Landlock restricts the filesystem
+    ...                                   # Landlock, capabilities, close_range
+    report = prepared.load()              # the last step before exec; sets no_new_privs
+
+Importing this module never imports pyseccomp, so it works (and reports "none") without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import termios
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+from typing import Any, Protocol, cast
+
+from egressbox.errors import EgressboxError
+
+# libseccomp's public ABI (seccomp.h): actions and filter attributes. Defined here so that
+# planning needs no pyseccomp; libseccomp cannot change these values without breaking every user.
+ACT_ALLOW = 0x7FFF0000
+ACT_KILL_PROCESS = 0x80000000
+ACT_KILL_THREAD = 0x00000000
+_ACT_ERRNO = 0x00050000
+_ATTR_ACT_BADARCH = 2
+_ATTR_CTL_TSYNC = 4
+_ATTR_CTL_OPTIMIZE = 8
+
+# The sign libseccomp gives a name it does not know at all (__NR_SCMP_ERROR); other negative
+# numbers are pseudo-syscalls: names it knows that do not exist on this architecture.
+_NR_UNKNOWN = -1
+
+# Socket constants (<sys/socket.h>, <netinet/in.h>, <linux/tcp.h>).
+SOCK_TYPE_MASK = 0xF  # the kernel masks the type with this; the rest are SOCK_NONBLOCK/CLOEXEC
+IPPROTO_TCP = 6
+MSG_FASTOPEN = 0x20000000
+TCP_FASTOPEN_CONNECT = 30
+
+# Namespace flags (<linux/sched.h>).
+CLONE_NEWTIME = 0x00000080
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+# clone(2) keeps its exit signal in the low byte, so CLONE_NEWTIME (0x80) is only reachable
+# through unshare(2) and clone3(2): the kernel discards those bits of a clone() flags word.
+CLONE_NEW_FLAGS = (
+    CLONE_NEWNS,
+    CLONE_NEWCGROUP,
+    CLONE_NEWUTS,
+    CLONE_NEWIPC,
+    CLONE_NEWUSER,
+    CLONE_NEWPID,
+    CLONE_NEWNET,
+)
+UNSHARE_NEW_FLAGS = (*CLONE_NEW_FLAGS, CLONE_NEWTIME)
+
+# personality(2): the default persona and the query value (both harmless).
+PER_LINUX = 0
+PERSONALITY_QUERY = 0xFFFFFFFF
+
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+# Syscalls newer than the installed libseccomp may know only by number. Since Linux 5.1 every
+# new syscall has one number on all architectures but alpha and mips, so the number is safe to
+# use where the native ABI is one of these (AUDIT_ARCH_* values).
+_UNIFIED_TABLE_ARCHES = frozenset(
+    {
+        0xC000003E,  # x86_64
+        0x40000003,  # i386
+        0xC00000B7,  # aarch64
+        0x40000028,  # arm
+        0xC00000F3,  # riscv64
+        0xC0000102,  # loongarch64
+        0xC0000015,  # ppc64le
+        0x80000015,  # ppc64
+        0x80000016,  # s390x
+    }
+)
+_UNIFIED_NUMBERS = {"open_tree_attr": 467}  # Linux 6.15; libseccomp 2.5 predates it
+
+
+class SeccompUnavailableError(EgressboxError):
+    """pyseccomp or libseccomp cannot be used in this process (the message says why)."""
+
+
+class Status(StrEnum):
+    """How much of the filter is in force (stable values: they appear in run reports)."""
+
+    FULL = "full"
+    PARTIAL = "partial"
+    NONE = "none"
+
+
+class CmpOp(IntEnum):
+    """libseccomp comparison operators (enum scmp_compare); only these three are needed."""
+
+    EQ = 4
+    GT = 6
+    MASKED_EQ = 7
+
+
+@dataclass(frozen=True)
+class SeccompOptions:
+    """What the filter allows beyond TCP to the proxy.
+
+    There is deliberately no option for bind/listen: the filter never restricts them (Landlock
+    rules TCP bind ports, and the network namespace decides what a listener can be reached from).
+    """
+
+    # Unix sockets: build servers, ssh-agent and dbus clients need them; pathname sockets of the
+    # host are hidden by the mount namespace and abstract ones by Landlock's scope.
+    allow_unix_sockets: bool = True
+    # A syscall through a non-native ABI kills the process; False makes it fail with ENOSYS
+    # instead. Either way it never runs, since the rules only know native syscall numbers.
+    kill_on_bad_arch: bool = True
+
+
+@dataclass(frozen=True)
+class ArgCmp:
+    """One comparison of a syscall argument (libseccomp's struct scmp_arg_cmp).
+
+    EQ and GT compare the whole 64-bit register, unsigned. MASKED_EQ tests
+    ``arg & datum_a == datum_b``.
+    """
+
+    index: int
+    op: CmpOp
+    datum_a: int
+    datum_b: int = 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Return ``errno`` from ``syscall`` when every comparison holds (or always, without any)."""
+
+    syscall: str
+    errno: int
+    args: tuple[ArgCmp, ...] = ()
+
+
+@dataclass(frozen=True)
+class RuleGroup:
+    """Rules that close one hole, with the reason they exist."""
+
+    name: str
+    why: str
+    rules: tuple[Rule, ...]
+
+    @property
+    def syscalls(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(rule.syscall for rule in self.rules))
+
+    @property
+    def actions(self) -> tuple[str, ...]:
+        """The answers these rules give, e.g. ("EPERM",)."""
+        return tuple(dict.fromkeys(_errno_name(rule.errno) for rule in self.rules))
+
+
+@dataclass(frozen=True)
+class SeccompReport:
+    """What a loaded filter enforces, or why nothing is enforced."""
+
+    status: Status
+    reason: str
+    # The rules in force, grouped by the hole each closes.
+    groups: tuple[RuleGroup, ...] = ()
+    # Syscalls this architecture does not have: nothing to enforce, so no gap.
+    skipped: tuple[str, ...] = ()
+    # Syscalls whose rules could not be added: a gap, so the status is "partial".
+    failed: tuple[str, ...] = ()
+    # What a syscall through a non-native ABI gets: KILL_PROCESS, KILL_THREAD or ERRNO(ENOSYS).
+    bad_arch_action: str = ""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def enforced(self) -> bool:
+        return self.status is not Status.NONE
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (keys are stable)."""
+        return {
+            "status": str(self.status),
+            "reason": self.reason,
+            "groups": [
+                {
+                    "name": group.name,
+                    "why": group.why,
+                    "syscalls": list(group.syscalls),
+                    "actions": list(group.actions),
+                }
+                for group in self.groups
+            ],
+            "skipped": list(self.skipped),
+            "failed": list(self.failed),
+            "bad_arch_action": self.bad_arch_action,
+            "notes": list(self.notes),
+        }
+
+
+# The rules (pure: no pyseccomp needed)
+
+
+def plan(options: SeccompOptions | None = None) -> tuple[RuleGroup, ...]:
+    """Every rule the filter holds for ``options``, grouped; architecture-neutral names."""
+    options = options or SeccompOptions()
+    return (
+        _socket_families(options),
+        _inet_socket_types(),
+        _inet_protocols(),
+        _fast_open(),
+        _io_uring(),
+        _other_processes(),
+        _kernel_surface(),
+        _mounts(),
+        _system(),
+        _namespaces(),
+        _terminal(),
+        _personality(),
+    )
+
+
+def _socket_families(options: SeccompOptions) -> RuleGroup:
+    allowed = [socket.AF_INET, socket.AF_INET6]
+    if options.allow_unix_sockets:
+        allowed.append(socket.AF_UNIX)
+    # Refused over all 64 bits: a family with any high bit set is refused, even though the
+    # kernel would read 0x1_00000002 as AF_INET (no real program passes one).
+    rules = [
+        Rule("socket", errno.EAFNOSUPPORT, (cmp,))
+        for cmp in _outside(0, [int(family) for family in allowed])
+    ]
+    if options.allow_unix_sockets:
+        # socketpair() only makes sense for AF_UNIX; any other family is refused the same way.
+        rules += [
+            Rule("socketpair", errno.EAFNOSUPPORT, (cmp,))
+            for cmp in _outside(0, [int(socket.AF_UNIX)])
+        ]
+    else:
+        rules.append(Rule("socketpair", errno.EAFNOSUPPORT))
+    return RuleGroup(
+        "socket families",
+        "only unix, IPv4 and IPv6 sockets: packet, netlink, vsock, alg, xdp, bluetooth and the "
+        "rest bypass Landlock's TCP rules and reach the kernel's least-audited code",
+        tuple(rules),
+    )
+
+
+def _inet_socket_types() -> RuleGroup:
+    # The kernel reads the type as (int)arg & 0xf; the other bits may only be SOCK_NONBLOCK and
+    # SOCK_CLOEXEC (anything else is EINVAL), so a 4-bit masked test sees exactly its choice.
+    # The family is compared exactly: a family with high bits was refused above.
+    not_stream = _outside(1, [int(socket.SOCK_STREAM)], bits=4)
+    rules = tuple(
+        Rule("socket", errno.EPERM, (ArgCmp(0, CmpOp.EQ, int(family)), cmp))
+        for family in (socket.AF_INET, socket.AF_INET6)
+        for cmp in not_stream
+    )
+    return RuleGroup(
+        "inet socket types",
+        "IP sockets must be SOCK_STREAM: Landlock's rules cover TCP only, so UDP (DNS, QUIC), "
+        "raw and seqpacket sockets would reach anything the namespace routes",
+        rules,
+    )
+
+
+def _inet_protocols() -> RuleGroup:
+    # Protocol 0 and IPPROTO_TCP both mean TCP for a stream socket. MPTCP (262), SCTP (132) and
+    # SMC (IPPROTO_SMC, 256) are stream sockets too but skip Landlock's TCP hooks.
+    # EPROTONOSUPPORT is what a kernel without them answers, so MPTCP-aware clients (Go's net
+    # package, mptcpize) fall back to plain TCP. Compared over 64 bits, like the family.
+    other_protocol = _outside(2, [0, IPPROTO_TCP])
+    stream = ArgCmp(1, CmpOp.MASKED_EQ, SOCK_TYPE_MASK, int(socket.SOCK_STREAM))
+    rules = tuple(
+        Rule("socket", errno.EPROTONOSUPPORT, (ArgCmp(0, CmpOp.EQ, int(family)), stream, cmp))
+        for family in (socket.AF_INET, socket.AF_INET6)
+        for cmp in other_protocol
+    )
+    return RuleGroup(
+        "inet protocols",
+        "IP stream sockets must be TCP: MPTCP, SCTP and SMC bypass Landlock's TCP connect rule",
+        rules,
+    )
+
+
+def _fast_open() -> RuleGroup:
+    fastopen = (MSG_FASTOPEN, MSG_FASTOPEN)
+    return RuleGroup(
+        "TCP Fast Open",
+        "a MSG_FASTOPEN send connects without passing Landlock's connect hook "
+        "(landlock-lsm/linux#41), so it could reach any port",
+        (
+            # The flags are unsigned int in each call; testing the one bit is exact. EOPNOTSUPP
+            # is what the kernel answers when Fast Open is off, so clients already handle it.
+            Rule("sendto", errno.EOPNOTSUPP, (ArgCmp(3, CmpOp.MASKED_EQ, *fastopen),)),
+            Rule("sendmsg", errno.EOPNOTSUPP, (ArgCmp(2, CmpOp.MASKED_EQ, *fastopen),)),
+            Rule("sendmmsg", errno.EOPNOTSUPP, (ArgCmp(3, CmpOp.MASKED_EQ, *fastopen),)),
+            # TCP_FASTOPEN_CONNECT turns connect() + write() into a Fast Open send. connect()
+            # still passes Landlock's hook, so this is defence in depth: no Fast Open path at
+            # all. ENOPROTOOPT is a kernel without the option: clients (curl) carry on without.
+            Rule(
+                "setsockopt",
+                errno.ENOPROTOOPT,
+                (
+                    ArgCmp(1, CmpOp.MASKED_EQ, _U32, IPPROTO_TCP),
+                    ArgCmp(2, CmpOp.MASKED_EQ, _U32, TCP_FASTOPEN_CONNECT),
+                ),
+            ),
+        ),
+    )
+
+
+def _io_uring() -> RuleGroup:
+    return RuleGroup(
+        "io_uring",
+        "io_uring performs socket and file operations in the kernel without a syscall each, "
+        "out of seccomp's sight; ENOSYS makes libraries fall back to ordinary syscalls",
+        _always(errno.ENOSYS, "io_uring_setup", "io_uring_enter", "io_uring_register"),
+    )
+
+
+def _other_processes() -> RuleGroup:
+    return RuleGroup(
+        "other processes",
+        "no reading, writing or stealing from other processes of the same user (the launcher, "
+        "the proxy when it runs as that user): ptrace, process_vm_*, pidfd_getfd, kcmp",
+        _always(
+            errno.EPERM,
+            "ptrace",
+            "process_vm_readv",
+            "process_vm_writev",
+            "pidfd_getfd",  # copies a descriptor out of another process
+            "kcmp",  # probes another process's descriptors and memory layout
+        ),
+    )
+
+
+def _kernel_surface() -> RuleGroup:
+    return RuleGroup(
+        "kernel attack surface",
+        "interfaces behind most local privilege escalations, which no client tool needs",
+        _always(
+            errno.EPERM,
+            "bpf",  # the verifier; also socket filters that could rewrite traffic
+            "perf_event_open",  # side channels and a long record of kernel bugs
+            "userfaultfd",  # stalls kernel copies at will: the classic race-widening tool
+            "keyctl",  # keyrings are shared per user: another session's tokens live there
+            "add_key",
+            "request_key",
+            "lookup_dcookie",  # leaks kernel path names (removed in Linux 6.9)
+            "iopl",  # raw I/O ports
+            "ioperm",
+        ),
+    )
+
+
+def _mounts() -> RuleGroup:
+    return RuleGroup(
+        "mounts and namespace entry",
+        "the mount namespace hides the host's sockets and /tmp: no changing it, no joining "
+        "another namespace (setns into /proc/1/ns/net is the host's network), no opening files "
+        "by handle around the mount view",
+        _always(
+            errno.EPERM,
+            "mount",
+            "umount",  # only on some architectures (e.g. i386); umount2 elsewhere
+            "umount2",
+            "pivot_root",
+            "move_mount",
+            "open_tree",
+            "open_tree_attr",
+            "fsopen",
+            "fsconfig",
+            "fsmount",
+            "fspick",
+            "mount_setattr",
+            "setns",
+            "open_by_handle_at",  # the classic container escape (CAP_DAC_READ_SEARCH)
+        ),
+    )
+
+
+def _system() -> RuleGroup:
+    return RuleGroup(
+        "system administration",
+        "modules, kexec, swap, reboot, accounting and quotas: a child without capabilities is "
+        "refused these anyway; the filter still refuses if a capability leaks through",
+        _always(
+            errno.EPERM,
+            "init_module",
+            "finit_module",
+            "delete_module",
+            "kexec_load",
+            "kexec_file_load",
+            "swapon",
+            "swapoff",
+            "reboot",
+            "acct",
+            "quotactl",
+            "quotactl_fd",
+        ),
+    )
+
+
+def _namespaces() -> RuleGroup:
+    clone_flags = _clone_flags_index()
+    rules = [
+        Rule("clone", errno.EPERM, (ArgCmp(clone_flags, CmpOp.MASKED_EQ, flag, flag),))
+        for flag in CLONE_NEW_FLAGS
+    ]
+    # unshare takes unsigned long, but every namespace bit is in the low 32; one rule per bit.
+    rules += [
+        Rule("unshare", errno.EPERM, (ArgCmp(0, CmpOp.MASKED_EQ, flag, flag),))
+        for flag in UNSHARE_NEW_FLAGS
+    ]
+    # clone3 keeps its flags in memory, where seccomp cannot look. glibc, Rust and the rest fall
+    # back to clone() on ENOSYS, which the rules above do check.
+    rules.append(Rule("clone3", errno.ENOSYS))
+    return RuleGroup(
+        "new namespaces",
+        "a new user namespace gives the child every capability inside it (and the kernel code "
+        "that needs them); a new network namespace is an escape from the pinned one",
+        tuple(rules),
+    )
+
+
+def _terminal() -> RuleGroup:
+    # The command is an unsigned int: masked, so high bits cannot hide it. Values from termios,
+    # which match the running kernel's architecture (they differ on mips, ppc, sparc).
+    tiocsti = int(termios.TIOCSTI)
+    tioclinux = int(getattr(termios, "TIOCLINUX", 0x541C))
+    return RuleGroup(
+        "terminal injection",
+        "TIOCSTI types into an inherited terminal (dev.tty.legacy_tiocsti=1 measured here): "
+        "commands would run in the user's shell after the child exits; TIOCLINUX can paste "
+        "the console selection the same way",
+        tuple(
+            Rule("ioctl", errno.EPERM, (ArgCmp(1, CmpOp.MASKED_EQ, _U32, command),))
+            for command in (tiocsti, tioclinux)
+        ),
+    )
+
+
+def _personality() -> RuleGroup:
+    return RuleGroup(
+        "personality",
+        "only the default persona or a query: the flags disable ASLR for what the child execs "
+        "(ADDR_NO_RANDOMIZE), make data executable (READ_IMPLIES_EXEC) or map page zero",
+        tuple(Rule("personality", errno.EPERM, (cmp,)) for cmp in _not_uniform_u32(0)),
+    )
+
+
+def _always(err: int, *syscalls: str) -> tuple[Rule, ...]:
+    return tuple(Rule(name, err) for name in syscalls)
+
+
+def _clone_flags_index() -> int:
+    # s390 swaps clone()'s first two arguments (stack first); every other architecture has the
+    # flags first.
+    return 1 if os.uname().machine.startswith("s390") else 0
+
+
+def _outside(index: int, allowed: Iterable[int], *, bits: int = 64) -> tuple[ArgCmp, ...]:
+    """Comparisons that, one per rule, match every value of argument ``index`` not in ``allowed``.
+
+    The argument is read as an unsigned ``bits``-wide number (the low bits of the register).
+    Each gap between allowed values becomes aligned power-of-two blocks, one masked equality per
+    block; above the largest allowed value a single GT covers all 64 bits (high bits included).
+    """
+    width = (1 << bits) - 1
+    cmps: list[ArgCmp] = []
+    low = 0
+    for value in sorted(set(allowed)):
+        cmps += [_block(index, start, size, width) for start, size in _aligned(low, value - 1)]
+        low = value + 1
+    if bits == 64:
+        if low <= width:
+            cmps.append(ArgCmp(index, CmpOp.GT, low - 1))
+    else:
+        cmps += [_block(index, start, size, width) for start, size in _aligned(low, width)]
+    return tuple(cmps)
+
+
+def _aligned(low: int, high: int) -> Iterator[tuple[int, int]]:
+    """Split [low, high] into the fewest aligned blocks (start, size), size a power of two."""
+    while low <= high:
+        size = low & -low if low else 1 << 64
+        while size > high - low + 1:
+            size >>= 1
+        yield low, size
+        low += size
+
+
+def _block(index: int, start: int, size: int, width: int) -> ArgCmp:
+    mask = width & ~(size - 1)
+    if mask == _U64:
+        return ArgCmp(index, CmpOp.EQ, start)
+    return ArgCmp(index, CmpOp.MASKED_EQ, mask, start)
+
+
+def _not_uniform_u32(index: int) -> tuple[ArgCmp, ...]:
+    """Comparisons matching every low-32-bit value except 0 and 0xffffffff (high bits ignored).
+
+    A value that is neither all zeros nor all ones has, going round its 32 bits, some set bit
+    whose next bit is clear: one masked test per position finds it.
+    """
+    cmps = []
+    for bit in range(32):
+        here, after = 1 << bit, 1 << ((bit + 1) % 32)
+        cmps.append(ArgCmp(index, CmpOp.MASKED_EQ, here | after, here))
+    return tuple(cmps)
+
+
+# The thin typed face of pyseccomp (it has no type information): the one place Any appears.
+
+
+class SyscallFilter(Protocol):
+    """The part of ``pyseccomp.SyscallFilter`` used here (build_filter returns one)."""
+
+    def add_rule(self, action: int, syscall: int | str, *args: object) -> None: ...
+
+    def set_attr(self, attr: int, value: int) -> None: ...
+
+    def get_attr(self, attr: int) -> int: ...
+
+    def load(self) -> None: ...
+
+
+class _Libseccomp:
+    """pyseccomp, imported on demand (the import may spawn ldconfig: see the module docstring)."""
+
+    def __init__(self) -> None:
+        try:
+            import pyseccomp
+        except (ImportError, OSError, RuntimeError, AttributeError) as exc:
+            # ImportError: not installed; RuntimeError/OSError: libseccomp missing or unloadable;
+            # AttributeError: a libseccomp too old for pyseccomp's bindings.
+            raise SeccompUnavailableError(f"pyseccomp/libseccomp not usable: {exc}") from exc
+        self._module: Any = pyseccomp
+
+    def new_filter(self, default_action: int) -> SyscallFilter:
+        return cast(SyscallFilter, self._module.SyscallFilter(default_action))
+
+    def arg(self, cmp: ArgCmp) -> object:
+        return cast(object, self._module.Arg(cmp.index, int(cmp.op), cmp.datum_a, cmp.datum_b))
+
+    def resolve(self, name: str) -> int:
+        """The native number of ``name``; negative when this architecture lacks it."""
+        return int(self._module.resolve_syscall(self._module.Arch.NATIVE, name))
+
+    def native_arch(self) -> int:
+        return int(self._module.system_arch())
+
+
+# Building and loading
+
+
+@dataclass(frozen=True)
+class _Built:
+    seccomp_filter: SyscallFilter
+    report: SeccompReport
+
+
+def build_filter(options: SeccompOptions | None = None) -> SyscallFilter:
+    """The filter for ``options``, built but not loaded (a ``pyseccomp.SyscallFilter``).
+
+    Raises SeccompUnavailableError without pyseccomp/libseccomp. Rules that could not be added
+    are left out silently here: use prepare() to learn about them.
+    """
+    return _build(_Libseccomp(), options or SeccompOptions()).seccomp_filter
+
+
+def _build(lib: _Libseccomp, options: SeccompOptions) -> _Built:
+    seccomp_filter = lib.new_filter(ACT_ALLOW)
+    notes: list[str] = []
+    bad_arch_action = _set_bad_arch_action(seccomp_filter, options, notes)
+    try:
+        # The launcher is meant to be single-threaded, but TSYNC puts every thread under the
+        # filter, not just the caller: a stray thread (a library's helper) stays covered.
+        seccomp_filter.set_attr(_ATTR_CTL_TSYNC, 1)
+    except OSError as exc:
+        notes.append(f"TSYNC unavailable ({_errno_name(exc.errno)}): only the loading thread")
+    # A binary search over the listed syscall numbers instead of a linear scan: every syscall
+    # the child makes, filtered or not, pays for the filter. libseccomp < 2.5 lacks it; the
+    # linear filter is just as strict.
+    with contextlib.suppress(OSError):
+        seccomp_filter.set_attr(_ATTR_CTL_OPTIMIZE, 2)
+    arch = lib.native_arch()
+    numbers: dict[str, int | None] = {}
+    skipped: list[str] = []
+    failed: list[str] = []
+    groups: list[RuleGroup] = []
+    for group in plan(options):
+        added: list[Rule] = []
+        for rule in group.rules:
+            if rule.syscall not in numbers:
+                numbers[rule.syscall] = _number(lib, arch, rule.syscall)
+            number = numbers[rule.syscall]
+            if number is None:
+                skipped.append(rule.syscall)
+                continue
+            action = _ACT_ERRNO | (rule.errno & 0xFFFF)
+            try:
+                seccomp_filter.add_rule(action, number, *(lib.arg(cmp) for cmp in rule.args))
+            except OSError as exc:
+                failed.append(rule.syscall)
+                notes.append(f"{rule.syscall}: rule not added: {_errno_name(exc.errno)}")
+                continue
+            added.append(rule)
+        if added:
+            groups.append(RuleGroup(group.name, group.why, tuple(added)))
+    skipped = list(dict.fromkeys(skipped))
+    failed = list(dict.fromkeys(failed))
+    rule_count = sum(len(group.rules) for group in groups)
+    if failed:
+        status = Status.PARTIAL
+        reason = f"{rule_count} rules in force, but not for: {', '.join(failed)}"
+    else:
+        status = Status.FULL
+        reason = f"{rule_count} rules in {len(groups)} groups; non-native ABIs: {bad_arch_action}"
+    report = SeccompReport(
+        status=status,
+        reason=reason,
+        groups=tuple(groups),
+        skipped=tuple(skipped),
+        failed=tuple(failed),
+        bad_arch_action=bad_arch_action,
+        notes=tuple(notes),
+    )
+    return _Built(seccomp_filter, report)
+
+
+def _set_bad_arch_action(
+    seccomp_filter: SyscallFilter, options: SeccompOptions, notes: list[str]
+) -> str:
+    # libseccomp's default kills only the calling thread; the whole process must go, or another
+    # thread carries on after an attempt to use the unfiltered ABI.
+    if not options.kill_on_bad_arch:
+        seccomp_filter.set_attr(_ATTR_ACT_BADARCH, _ACT_ERRNO | errno.ENOSYS)
+        return "ERRNO(ENOSYS)"
+    try:
+        seccomp_filter.set_attr(_ATTR_ACT_BADARCH, ACT_KILL_PROCESS)
+    except OSError as exc:
+        # Kernels before 4.14 lack SECCOMP_RET_KILL_PROCESS; the call is still never made.
+        seccomp_filter.set_attr(_ATTR_ACT_BADARCH, ACT_KILL_THREAD)
+        notes.append(f"KILL_PROCESS unavailable ({_errno_name(exc.errno)}): KILL_THREAD instead")
+        return "KILL_THREAD"
+    return "KILL_PROCESS"
+
+
+def _number(lib: _Libseccomp, arch: int, name: str) -> int | None:
+    number = lib.resolve(name)
+    if number >= 0:
+        return number
+    if number == _NR_UNKNOWN and arch in _UNIFIED_TABLE_ARCHES:
+        return _UNIFIED_NUMBERS.get(name)
+    return None
+
+
+class PreparedFilter:
+    """A filter built ahead of time; load() is the only step left (see the module docstring)."""
+
+    def __init__(self, seccomp_filter: SyscallFilter | None, report: SeccompReport) -> None:
+        self._filter = seccomp_filter
+        self._report = report
+
+    @property
+    def available(self) -> bool:
+        """Whether there is a filter to load."""
+        return self._filter is not None
+
+    @property
+    def reason(self) -> str:
+        """What load() will report if it succeeds (or why there is nothing to load)."""
+        return self._report.reason
+
+    def load(self) -> SeccompReport:
+        """Load the filter into this process (irreversible; sets no_new_privs). Never raises.
+
+        Meant as the last step before exec: it imports nothing and touches no file.
+        """
+        if self._filter is None:
+            return self._report
+        try:
+            self._filter.load()
+        except OSError as exc:
+            reason = f"seccomp_load failed: {_errno_name(exc.errno)}"
+            return SeccompReport(Status.NONE, reason, notes=self._report.notes)
+        return self._report
+
+
+def prepare(options: SeccompOptions | None = None) -> PreparedFilter:
+    """Import pyseccomp and build the filter now; never raises for a missing library."""
+    try:
+        built = _build(_Libseccomp(), options or SeccompOptions())
+    except SeccompUnavailableError as exc:
+        return PreparedFilter(None, SeccompReport(Status.NONE, str(exc)))
+    except OSError as exc:  # seccomp_init or an attribute the library refused
+        reason = f"building the seccomp filter failed: {_errno_name(exc.errno)}"
+        return PreparedFilter(None, SeccompReport(Status.NONE, reason))
+    return PreparedFilter(built.seccomp_filter, built.report)
+
+
+def apply(options: SeccompOptions | None = None) -> SeccompReport:
+    """prepare() and load() at once, for a process whose filesystem is not yet restricted."""
+    return prepare(options).load()
+
+
+def _errno_name(err: int | None) -> str:
+    if not err:
+        return "unknown error"
+    if err == errno.EOPNOTSUPP:
+        return "EOPNOTSUPP"  # errno.errorcode names it ENOTSUP, its alias on Linux
+    return errno.errorcode.get(err, f"errno {err}")

@@ -1,0 +1,152 @@
+"""A tiny typed ctypes layer over the namespace, mount and capability syscalls.
+
+The standard library has ``os.unshare`` (3.12+) but nothing for mount, umount2, capset or most
+prctl options, and the launcher must stay light, so these are bound directly through libc.
+
+Errors: libc signals failure with a return of -1 and sets errno; only then is errno read (a
+successful call may leave a stale errno behind) and ``OSError(errno, message)`` raised.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+# unshare(2) flags.
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+# mount(2) flags.
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_MOVE = 8192
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MS_SHARED = 1 << 20
+
+# umount2(2) flags.
+MNT_DETACH = 2
+
+# prctl(2) options.
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_READ = 23
+PR_CAPBSET_DROP = 24
+PR_GET_SECUREBITS = 27
+PR_SET_SECUREBITS = 28
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_IS_SET = 1
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+
+# capset(2): version 3 carries two 32-bit words per set (64 capabilities).
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class CapUserHeader(ctypes.Structure):
+    """struct __user_cap_header_struct."""
+
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class CapUserData(ctypes.Structure):
+    """struct __user_cap_data_struct (one 32-bit word of each set)."""
+
+    _fields_ = (
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    )
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+_libc.unshare.argtypes = (ctypes.c_int,)
+_libc.unshare.restype = ctypes.c_int
+_libc.mount.argtypes = (
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+)
+_libc.mount.restype = ctypes.c_int
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+_libc.umount2.restype = ctypes.c_int
+# prctl is variadic; passing every argument as unsigned long matches what the kernel reads.
+_libc.prctl.argtypes = (ctypes.c_int,) + (ctypes.c_ulong,) * 4
+_libc.prctl.restype = ctypes.c_int
+_libc.capset.argtypes = (ctypes.POINTER(CapUserHeader), ctypes.POINTER(CapUserData))
+_libc.capset.restype = ctypes.c_int
+_libc.capget.argtypes = (ctypes.POINTER(CapUserHeader), ctypes.POINTER(CapUserData))
+_libc.capget.restype = ctypes.c_int
+
+
+def _check(result: int, what: str) -> int:
+    """Return ``result``, or raise OSError from errno when it is -1 (and only then)."""
+    if result == -1:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    return result
+
+
+def _path(value: str | None) -> bytes | None:
+    return None if value is None else os.fsencode(value)
+
+
+def unshare(flags: int) -> None:
+    """unshare(2): move this process into new namespaces."""
+    _check(_libc.unshare(flags), f"unshare(0x{flags:x})")
+
+
+def mount(
+    source: str | None,
+    target: str,
+    fstype: str | None,
+    flags: int,
+    data: str | None = None,
+) -> None:
+    """mount(2). ``source``, ``fstype`` and ``data`` may be None (NULL)."""
+    result = _libc.mount(_path(source), _path(target), _path(fstype), flags, _path(data))
+    _check(result, f"mount({source!r}, {target!r}, {fstype!r}, 0x{flags:x}, {data!r})")
+
+
+def umount2(target: str, flags: int = 0) -> None:
+    """umount2(2)."""
+    _check(_libc.umount2(_path(target), flags), f"umount2({target!r}, {flags})")
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    """prctl(2); returns the (non-negative) result, which some options use as their answer."""
+    result = _libc.prctl(option, arg2, arg3, arg4, arg5)
+    return _check(result, f"prctl({option}, {arg2}, {arg3})")
+
+
+def capset(effective: int, permitted: int, inheritable: int) -> None:
+    """capset(2) (version 3) for this thread; each set is a 64-bit mask."""
+    header = CapUserHeader(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (CapUserData * 2)()
+    for word in range(2):
+        shift = 32 * word
+        data[word].effective = (effective >> shift) & 0xFFFFFFFF
+        data[word].permitted = (permitted >> shift) & 0xFFFFFFFF
+        data[word].inheritable = (inheritable >> shift) & 0xFFFFFFFF
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def capget() -> tuple[int, int, int]:
+    """capget(2) (version 3) for this thread: (effective, permitted, inheritable)."""
+    header = CapUserHeader(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (CapUserData * 2)()
+    _check(_libc.capget(ctypes.byref(header), data), "capget")
+    effective = data[0].effective | (data[1].effective << 32)
+    permitted = data[0].permitted | (data[1].permitted << 32)
+    inheritable = data[0].inheritable | (data[1].inheritable << 32)
+    return effective, permitted, inheritable

@@ -1,0 +1,180 @@
+"""Per-connection glue for the HTTP and SOCKS5 listeners.
+
+Each class feeds bytes to its sans-IO parser until a request is complete,
+then one Task decides (audited before any reply), dials the checked
+addresses and either answers with a refusal or hands both sockets to the
+relay. Refusals close with a short linger so the reply is not lost to a
+reset when the client has sent bytes the proxy will never read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+
+from egressbox.audit import AuditProtocol, AuditRecord
+from egressbox.decide import Decision
+from egressbox.dial import DialError
+from egressbox.errors import AuditError, Reason, Verdict
+from egressbox.hosts import INVALID_HOST_TEXT
+from egressbox.protocols import http1, socks5
+from egressbox.replies import dial_http_status, dial_socks_code, http_status, socks_code
+from egressbox.server import Connection, ProxyState
+
+# After a refusal, read and drop what the client still sends for this long
+# before closing, so that closing with unread data does not reset the
+# connection under the reply (nginx's lingering_close does the same).
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 256 * 1024
+
+
+class _Lingering(Connection):
+    """A connection that can answer, then close without losing its answer."""
+
+    def __init__(self, state: ProxyState) -> None:
+        super().__init__(state)
+        self.discarding = -1  # bytes dropped while lingering; -1 when not lingering
+
+    def reply_and_close(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self.cancel_timer()
+        transport.write(data)
+        self.discarding = 0
+        if transport.can_write_eof():
+            try:
+                transport.write_eof()
+            except OSError:
+                # The client is already gone: over loopback its reset can
+                # arrive within the write above (ENOTCONN). Nothing to say.
+                transport.abort()
+                return
+        transport.resume_reading()
+        self.timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, self.close)
+
+    def linger_received(self, data: bytes) -> bool:
+        """True when `data` was dropped because the connection is lingering."""
+        if self.discarding < 0:
+            return False
+        self.discarding += len(data)
+        if self.discarding > LINGER_BYTES:
+            self.close()
+        return True
+
+    def eof_received(self) -> bool:
+        if self.discarding >= 0:
+            self.close()
+        return False
+
+
+class HttpConnection(_Lingering):
+    """The HTTP listener: CONNECT tunnels and absolute-form plain HTTP forwarding."""
+
+    protocol_name = AuditProtocol.CONNECT
+
+    def __init__(self, state: ProxyState) -> None:
+        super().__init__(state)
+        self.parser = http1.RequestHeadParser(state.limits.max_head_bytes)
+
+    def data_received(self, data: bytes) -> None:
+        if self.linger_received(data):
+            return
+        try:
+            head = self.parser.feed(data)
+        except http1.HttpError as exc:
+            self.state.diagnostic(f"http: refused a malformed request ({exc.status}: {exc})")
+            self.reply_and_close(http1.error_reply(exc.status, "bad_request", str(exc)))
+            return
+        if head is None:
+            return
+        if head.kind is http1.RequestKind.CONNECT:
+            self.start(lambda: self.connect(head, self.parser.trailing))
+        else:
+            from egressbox.forward import forward
+
+            self.protocol_name = AuditProtocol.HTTP
+            self.start(lambda: forward(self, head, self.parser.trailing))
+
+    async def connect(self, head: http1.RequestHead, trailing: bytes) -> None:
+        decision = await self.decide(head.host, head.port)
+        if not decision.allowed:
+            self.refuse(decision)
+            return
+        try:
+            upstream = await self.dial_pinned(decision)
+        except DialError as exc:
+            self.dial_failed(decision, exc)
+            return
+        await self.tunnel(upstream, decision, trailing, http1.connect_established())
+
+    def refuse(self, decision: Decision) -> None:
+        self.log_refusal(decision)
+        status = http_status(decision.reason)
+        self.reply_and_close(http1.error_reply(status, decision.reason.value, decision.detail))
+
+    def dial_failed(self, decision: Decision, exc: DialError) -> None:
+        self.log_refusal(decision, f"upstream: {exc}")
+        status = dial_http_status(exc.reason.value)
+        self.reply_and_close(http1.error_reply(status, exc.reason.value, str(exc)))
+
+
+class SocksConnection(_Lingering):
+    """The SOCKS5 listener (RFC 1928, optional RFC 1929 credentials)."""
+
+    protocol_name = AuditProtocol.SOCKS5
+
+    def __init__(self, state: ProxyState) -> None:
+        super().__init__(state)
+        self.machine = socks5.Socks5Server(state.socks_credentials)
+
+    def data_received(self, data: bytes) -> None:
+        if self.linger_received(data):
+            return
+        events = self.machine.feed(data)
+        out = self.machine.outgoing()
+        for event in events:
+            if isinstance(event, socks5.Rejected):
+                self.rejected(event, out)
+                return
+            if isinstance(event, socks5.ConnectRequest):
+                if out and self.transport is not None:
+                    self.transport.write(out)
+                self.start(functools.partial(self.connect, event))
+                return
+        if out and self.transport is not None:
+            self.transport.write(out)
+
+    def rejected(self, event: socks5.Rejected, out: bytes) -> None:
+        if event.reason is not None:
+            # A malformed target is still a decision about a destination.
+            self.audit_bad_target(event.reason)
+        self.state.diagnostic(f"socks5: refused ({event.message})")
+        self.reply_and_close(out)
+
+    def audit_bad_target(self, reason: Reason) -> None:
+        record = AuditRecord.create(self.protocol_name, INVALID_HOST_TEXT, 0, Verdict.DENY, reason)
+        # On failure emit() has already stopped admission and said why.
+        with contextlib.suppress(AuditError):
+            self.state.emit(record)
+
+    async def connect(self, request: socks5.ConnectRequest) -> None:
+        decision = await self.decide(request.host, request.port)
+        if not decision.allowed:
+            self.log_refusal(decision)
+            self.reply_and_close(
+                self.machine.reply_failure(socks5.ReplyCode(socks_code(decision.reason)))
+            )
+            return
+        try:
+            upstream = await self.dial_pinned(decision)
+        except DialError as exc:
+            self.log_refusal(decision, f"upstream: {exc}")
+            self.reply_and_close(
+                self.machine.reply_failure(socks5.ReplyCode(dial_socks_code(exc.reason.value)))
+            )
+            return
+        host, port = upstream.getsockname()[:2]
+        reply = self.machine.reply_success(host, port)
+        await self.tunnel(upstream, decision, self.machine.trailing, reply)

@@ -1,0 +1,320 @@
+"""Connect to the checked, pinned addresses only (DESIGN §3.5), Happy Eyeballs style.
+
+`dial()` never sees a name: it takes the `ipaddress` objects that the decision
+checked and connects to exactly those, in RFC 8305 order (families interleaved,
+starting with the family of the first address). The next attempt starts after
+`stagger` seconds, or at once when an attempt fails; the first connection wins
+and every other socket is closed, whatever way `dial()` ends (success, error,
+overall timeout or cancellation). Each attempt is a non-blocking socket watched
+with `loop.add_writer` (no Task per attempt, no resolver on any path: addresses
+are passed to `connect` as numeric text built from their packed bytes).
+
+Failures map to `DialError` with a `DialFailure` code; the server turns these
+into HTTP 502/504 and SOCKS5 replies 0x05/0x04/0x03/0x01. Messages name the
+address and port only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import os
+import socket
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from enum import StrEnum
+
+from egressbox.addresses import IPAddress
+from egressbox.errors import EgressboxError
+
+__all__ = [
+    "DEFAULT_STAGGER",
+    "DialError",
+    "DialFailure",
+    "dial",
+    "failure_for",
+    "interleave_families",
+]
+
+# RFC 8305 §5 "Connection Attempt Delay": the recommended default is 250 ms.
+DEFAULT_STAGGER = 0.25
+# Largest TCP port number (RFC 793 ports are 16 bits; port 0 cannot be dialled).
+MAX_PORT = 65535
+
+
+class DialFailure(StrEnum):
+    """Why no connection was made (stable: the server maps these to replies)."""
+
+    CONNECT_REFUSED = "connect_refused"  # HTTP 502, SOCKS 0x05
+    CONNECT_TIMEOUT = "connect_timeout"  # HTTP 504, SOCKS 0x04
+    NETWORK_UNREACHABLE = "network_unreachable"  # HTTP 502, SOCKS 0x03
+    CONNECT_FAILED = "connect_failed"  # HTTP 502, SOCKS 0x01
+
+
+class DialError(EgressboxError):
+    """No connection to any of the pinned addresses; carries the failure code."""
+
+    def __init__(self, reason: DialFailure, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# errno -> failure code; anything else is connect_failed. EAFNOSUPPORT and
+# ENETDOWN mean the family or the network is not there at all (IPv6 disabled).
+_ERRNO_FAILURES: dict[int, DialFailure] = {
+    errno.ECONNREFUSED: DialFailure.CONNECT_REFUSED,
+    errno.ETIMEDOUT: DialFailure.CONNECT_TIMEOUT,
+    errno.ENETUNREACH: DialFailure.NETWORK_UNREACHABLE,
+    errno.EHOSTUNREACH: DialFailure.NETWORK_UNREACHABLE,
+    errno.ENETDOWN: DialFailure.NETWORK_UNREACHABLE,
+    errno.EAFNOSUPPORT: DialFailure.NETWORK_UNREACHABLE,
+}
+
+# When every attempt failed, the most telling failure is reported: a refusal
+# proves the host is up, while an unreachable family (a host without IPv6
+# routes, the common dual-stack case) says the least.
+_FAILURE_PRIORITY = (
+    DialFailure.CONNECT_REFUSED,
+    DialFailure.CONNECT_TIMEOUT,
+    DialFailure.CONNECT_FAILED,
+    DialFailure.NETWORK_UNREACHABLE,
+)
+
+
+def failure_for(exc: OSError) -> DialFailure:
+    """The failure code for an error from socket() or connect()."""
+    if exc.errno is None:  # raised without an errno: judge by class
+        if isinstance(exc, ConnectionRefusedError):
+            return DialFailure.CONNECT_REFUSED
+        if isinstance(exc, TimeoutError):
+            return DialFailure.CONNECT_TIMEOUT
+    return _ERRNO_FAILURES.get(exc.errno or 0, DialFailure.CONNECT_FAILED)
+
+
+def interleave_families(addresses: Iterable[IPAddress]) -> list[IPAddress]:
+    """RFC 8305 §4 order: alternate families, starting with the first address's family.
+
+    Order within each family is kept; duplicates are dropped.
+    """
+    unique = list(dict.fromkeys(addresses))
+    if not unique:
+        return []
+    first = unique[0].version
+    same = deque(a for a in unique if a.version == first)
+    other = deque(a for a in unique if a.version != first)
+    order: list[IPAddress] = []
+    while same or other:
+        if same:
+            order.append(same.popleft())
+        if other:
+            order.append(other.popleft())
+    return order
+
+
+def _show(address: IPAddress, port: int) -> str:
+    return f"{address} port {port}"
+
+
+def _message(failure: DialFailure, address: IPAddress, port: int, exc: OSError) -> str:
+    where = _show(address, port)
+    if failure is DialFailure.CONNECT_REFUSED:
+        return f"connection refused by {where}"
+    if failure is DialFailure.NETWORK_UNREACHABLE:
+        return f"network unreachable for {where}"
+    if failure is DialFailure.CONNECT_TIMEOUT:
+        return f"connection to {where} timed out"
+    return f"connection to {where} failed: {exc.strerror or exc}"
+
+
+def _sockaddr(address: IPAddress, port: int) -> tuple[socket.AddressFamily, tuple[object, ...]]:
+    """Family and numeric sockaddr; built from the packed bytes, so no scope id and no lookup."""
+    if isinstance(address, ipaddress.IPv4Address):
+        return socket.AF_INET, (socket.inet_ntop(socket.AF_INET, address.packed), port)
+    return socket.AF_INET6, (socket.inet_ntop(socket.AF_INET6, address.packed), port, 0, 0)
+
+
+class _Attempt:
+    """One non-blocking connect, watched with add_writer; reports to `on_done`."""
+
+    __slots__ = ("address", "error", "on_done", "port", "sock", "watching")
+
+    def __init__(self, address: IPAddress, port: int, on_done: Callable[[_Attempt], None]) -> None:
+        self.address = address
+        self.port = port
+        self.on_done = on_done
+        self.sock: socket.socket | None = None
+        self.error: OSError | None = None
+        self.watching = False
+
+    @property
+    def running(self) -> bool:
+        return self.watching
+
+    @property
+    def connected(self) -> bool:
+        return self.sock is not None and not self.watching and self.error is None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        family, sockaddr = _sockaddr(self.address, self.port)
+        try:
+            self.sock = socket.socket(family, socket.SOCK_STREAM)
+            self.sock.setblocking(False)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            code = self.sock.connect_ex(sockaddr)
+        except OSError as exc:
+            self._fail(exc)
+            return
+        if code == errno.EINPROGRESS:
+            loop.add_writer(self.sock.fileno(), self._on_writable, loop)
+            self.watching = True
+        elif code != 0:
+            self._fail(OSError(code, os.strerror(code)))
+        else:
+            self.on_done(self)
+
+    def _on_writable(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self.sock is not None
+        self._unwatch(loop)
+        code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code:
+            self._fail(OSError(code, os.strerror(code)))
+        else:
+            self.on_done(self)
+
+    def _fail(self, exc: OSError) -> None:
+        self.error = exc
+        if self.sock is not None:
+            self.sock.close()
+        self.on_done(self)
+
+    def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.watching and self.sock is not None:
+            loop.remove_writer(self.sock.fileno())
+        self.watching = False
+
+    def take(self) -> socket.socket:
+        """Hand the connected socket over; close() then leaves it alone."""
+        sock = self.sock
+        assert sock is not None
+        self.sock = None
+        return sock
+
+    def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._unwatch(loop)
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class _Race:
+    """Staggered attempts over `order`; the first connected socket wins."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, order: list[IPAddress], port: int) -> None:
+        self._loop = loop
+        self._pending = deque(order)
+        self._port = port
+        self._attempts: list[_Attempt] = []
+        self._changed: asyncio.Future[bool] | None = None
+        self._failures = 0
+
+    async def run(self, stagger: float) -> socket.socket:
+        self._start_next()
+        seen_failures = 0
+        while True:
+            winner = self._take_winner()
+            if winner is not None:
+                return winner
+            idle = not any(a.running for a in self._attempts)
+            if idle and not self._pending:
+                raise self._failure()
+            if idle or self._failures > seen_failures:
+                seen_failures = self._failures
+                self._start_next()  # a failure starts the next at once (RFC 8305 §5)
+                continue
+            if await self._wait(stagger if self._pending else None):
+                self._start_next()
+
+    def _start_next(self) -> None:
+        if not self._pending:
+            return
+        attempt = _Attempt(self._pending.popleft(), self._port, self._wake)
+        self._attempts.append(attempt)
+        attempt.start(self._loop)
+
+    def _wake(self, attempt: _Attempt) -> None:
+        if attempt.error is not None:
+            self._failures += 1
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(False)
+
+    async def _wait(self, delay: float | None) -> bool:
+        """Wait for an attempt to end (False) or for `delay` to pass (True)."""
+        fut: asyncio.Future[bool] = self._loop.create_future()
+        self._changed = fut
+        timer = None if delay is None else self._loop.call_later(delay, _resolve, fut, True)
+        try:
+            return await fut
+        finally:
+            self._changed = None
+            if timer is not None:
+                timer.cancel()
+
+    def _take_winner(self) -> socket.socket | None:
+        for attempt in self._attempts:
+            if attempt.connected:
+                return attempt.take()
+        return None
+
+    def _failure(self) -> DialError:
+        failed = [(failure_for(a.error), a) for a in self._attempts if a.error is not None]
+        failure, attempt = min(failed, key=lambda item: _FAILURE_PRIORITY.index(item[0]))
+        assert attempt.error is not None
+        return DialError(failure, _message(failure, attempt.address, self._port, attempt.error))
+
+    def close(self) -> None:
+        for attempt in self._attempts:
+            attempt.close(self._loop)
+
+
+def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _check_arguments(order: list[IPAddress], port: int, timeout: float, stagger: float) -> None:
+    if not order:
+        raise ValueError("dial() needs at least one address")
+    if not 0 < port <= MAX_PORT:
+        raise ValueError(f"port out of range: {port}")
+    if not timeout > 0 or not stagger >= 0:
+        raise ValueError("timeout must be > 0 and stagger >= 0")
+
+
+async def dial(
+    addresses: Sequence[IPAddress],
+    port: int,
+    *,
+    timeout: float,
+    stagger: float = DEFAULT_STAGGER,
+) -> socket.socket:
+    """Connect to one of `addresses` on `port`; return a connected non-blocking socket.
+
+    The socket has TCP_NODELAY set and belongs to the caller (hand it to
+    `loop.connect_accepted_socket`, `create_connection(sock=...)` or relay).
+    Raises `DialError` when no address accepts within `timeout` seconds
+    (connect_timeout) or every attempt fails; `ValueError` for no addresses or
+    a bad port. Cancellation closes every socket it opened.
+    """
+    order = interleave_families(addresses)
+    _check_arguments(order, port, timeout, stagger)
+    race = _Race(asyncio.get_running_loop(), order, port)
+    try:
+        async with asyncio.timeout(timeout):
+            return await race.run(stagger)
+    except TimeoutError:
+        shown = ", ".join(str(a) for a in order)
+        message = f"no connection to {shown} port {port} within {timeout:g} s"
+        raise DialError(DialFailure.CONNECT_TIMEOUT, message) from None
+    finally:
+        race.close()

@@ -1,0 +1,740 @@
+"""Run a command behind a managed proxy, confined so the proxy is all it can reach.
+
+The parent (this module) plans, forks the launcher (confine/launcher.py),
+receives the listening sockets the launcher bound inside the child's network
+namespace, verifies they live there, serves them with EgressProxy, passes
+signals on, and returns the command's exit code with the run's audit
+records and an enforcement report.
+
+`egressbox run` forks before asyncio or dnspython are imported (they are
+imported only once the launcher is on its way), so the launcher starts from
+a small, single-threaded process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from egressbox.confine import netns
+from egressbox.confine.env import (
+    PORT_TEMPLATES,
+    EnvPolicy,
+    Scratch,
+    child_environment,
+    proxy_variables,
+)
+from egressbox.confine.executable import CommandNotFoundError, resolve_command
+from egressbox.confine.launcher import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND, LaunchPlan
+from egressbox.confine.plan import (
+    ADMIT_HINT,
+    CREDENTIALS,
+    HOST_NEEDS,
+    Enforcement,
+    HostFacts,
+    Mechanism,
+    Profile,
+    Refusal,
+    choose_mechanisms,
+    expand_user,
+    is_under,
+    plan_filesystem,
+    strictest,
+    wanted,
+)
+from egressbox.errors import EgressboxError
+
+if TYPE_CHECKING:
+    from egressbox.audit import AuditRecord, AuditSink
+    from egressbox.policy import Policy
+
+# Directories hidden behind a private tmpfs in the child's mount namespace.
+HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
+# How long the launcher may take to bind its listeners (measured: 34-50 ms).
+LAUNCHER_TIMEOUT = 10.0
+SCRATCH_DIR = ".egressbox"
+ENV_SANDBOX = "EGRESSBOX_SANDBOX"
+ENV_PROFILE = "EGRESSBOX_PROFILE"
+
+
+class RunRefusedError(EgressboxError):
+    """Confinement the profile requires is unavailable (exit 126)."""
+
+    def __init__(self, refusals: Sequence[Refusal]) -> None:
+        self.refusals = list(refusals)
+        super().__init__("; ".join(r.message() for r in self.refusals))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    argv: tuple[str, ...]
+    policy: Policy | None
+    profile: Profile = Profile.WORKSPACE_PATHS
+    write_roots: tuple[str, ...] = ()
+    read_roots: tuple[str, ...] = ()
+    env_policy: EnvPolicy = EnvPolicy.INHERITED
+    grants: Mapping[str, str | None] = field(default_factory=dict)
+    allow_loopback: bool = False
+    pass_fds: tuple[int, ...] = ()
+    cwd: str | None = None
+    base_env: Mapping[str, str] | None = None
+    nameservers: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class MechanismReport:
+    mechanism: str
+    enforcement: Enforcement
+    detail: str
+
+
+@dataclass(frozen=True)
+class RefusalRecord:
+    """Which boundary refused the child, when it failed."""
+
+    boundary: str  # egress | local_socket | home_read | write | unknown
+    destinations: tuple[str, ...] = ()
+
+    def line(self, code: int) -> str:
+        where = f": {', '.join(self.destinations)}" if self.destinations else ""
+        return f"command exited {code}; refused by {self.boundary}{where}"
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    records: list[AuditRecord]
+    report: list[MechanismReport]
+    refusal: RefusalRecord | None = None
+    stdout: bytes | None = None
+    stderr: bytes | None = None
+
+
+@dataclass
+class Prepared:
+    """Everything decided before the fork."""
+
+    plan: LaunchPlan
+    report: list[MechanismReport]
+    host_listeners: list[socket.socket]
+    network_boundary: Enforcement
+    warnings: list[str] = field(default_factory=list)
+
+
+# -- planning --------------------------------------------------------------------------
+
+
+def host_facts() -> HostFacts:
+    from egressbox.confine.probe import probe_host
+
+    support = probe_host()
+    status = {m.name: m.status.value for m in support.mechanisms()}
+    available = frozenset(name for name, value in status.items() if value == "available")
+    abi = support.landlock.abi or 0
+    return HostFacts(available, status, abi, os.geteuid())
+
+
+def effective_profile(requested: Profile, env: Mapping[str, str]) -> Profile:
+    """Nesting picks the strictest of the requested and the inherited profile."""
+    inherited = env.get(ENV_PROFILE)
+    try:
+        outer = Profile(inherited) if inherited else None
+    except ValueError:
+        outer = None
+    return strictest(requested, outer)
+
+
+def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
+    base = dict(os.environ if options.base_env is None else options.base_env)
+    profile = effective_profile(options.profile, base)
+    chosen, refusals = choose_mechanisms(profile, facts)
+    extra, warnings = _sandbox_fallback(profile, chosen, facts, base)
+    if refusals or extra:
+        raise RunRefusedError(refusals + extra)
+    cwd = os.path.realpath(options.cwd or os.getcwd())
+    write_roots = tuple(os.path.realpath(p) for p in options.write_roots) or (cwd,)
+    read_roots = tuple(os.path.realpath(p) for p in options.read_roots)
+    executable = resolve_command(options.argv[0], base, cwd)
+    scratch = make_scratch(write_roots[0])
+    env = child_environment(
+        base,
+        policy=options.env_policy,
+        grants=options.grants,
+        proxy=PORT_TEMPLATES,
+        scratch=scratch,
+        profile=profile.value,
+    )
+    templates = {name: env.pop(name) for name in proxy_variables(PORT_TEMPLATES)}
+    home = base.get("HOME", os.path.expanduser("~"))
+    fs = plan_filesystem(
+        home=home,
+        write_roots=write_roots,
+        read_roots=read_roots,
+        executables=executable.grants,
+        deny=_credential_paths(home, env.get("HOME")),
+    )
+    if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
+        raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
+    listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
+    bind_back = _bind_back(write_roots, (*read_roots, *executable.grants, cwd))
+    plan = LaunchPlan(
+        argv=options.argv,
+        executable=executable.path,
+        cwd=cwd,
+        env=env,
+        mechanisms=tuple(sorted(m.value for m in chosen)),
+        uid=os.getuid(),
+        gid=os.getgid(),
+        host_ports=tuple(s.getsockname()[1] for s in listeners),
+        read=fs.read,
+        write=fs.write,
+        deny=fs.deny,
+        read_only_inside_write=fs.read_only_inside_write,
+        bind_back=bind_back,
+        allow_loopback=options.allow_loopback,
+        pass_fds=options.pass_fds,
+        best_effort=profile is not Profile.OS_HARDENED,
+        env_ports=templates,
+    )
+    report, network = enforcement_report(profile, chosen)
+    return Prepared(plan, report, listeners, network, warnings)
+
+
+def _credential_paths(home: str, child_home: str | None) -> tuple[str, ...]:
+    """The credential list under the caller's home and, when --grant moves it, the child's.
+
+    Tools in the child look for keys under the child's $HOME: a granted
+    HOME=/home/alice must not make /home/alice/.ssh readable.
+    """
+    paths = tuple(expand_user(p, home) for p in CREDENTIALS)
+    if child_home and os.path.isabs(child_home) and os.path.normpath(child_home) != home:
+        paths += tuple(expand_user(p, os.path.normpath(child_home)) for p in CREDENTIALS)
+    return paths
+
+
+def _sandbox_fallback(
+    profile: Profile,
+    chosen: frozenset[Mechanism],
+    facts: HostFacts,
+    env: Mapping[str, str],
+) -> tuple[list[Refusal], list[str]]:
+    """worktree is best effort; EGRESSBOX_SANDBOX=off|warn|enforce picks what a gap means."""
+    missing = sorted(wanted(profile) - chosen)
+    if profile is not Profile.WORKTREE or not missing:
+        return [], []
+    mode = env.get(ENV_SANDBOX, "warn")
+    if mode == "enforce":
+        return [
+            Refusal(m, facts.status.get(HOST_NEEDS[m], "absent_on_host"), profile, ADMIT_HINT[m])
+            for m in missing
+        ], []
+    if mode == "off":
+        return [], []
+    names = ", ".join(m.value for m in missing)
+    return [], [
+        f"profile worktree runs without {names} (unavailable here; "
+        f"{ENV_SANDBOX}=enforce refuses instead)"
+    ]
+
+
+def make_scratch(root: str) -> Scratch | None:
+    """Self-ignoring temp and cache directories inside the first writable root."""
+    base = os.path.join(root, SCRATCH_DIR)
+    try:
+        os.makedirs(os.path.join(base, "tmp"), exist_ok=True)
+        os.makedirs(os.path.join(base, "cache"), exist_ok=True)
+        ignore = os.path.join(base, ".gitignore")
+        if not os.path.exists(ignore):
+            with open(ignore, "w", encoding="ascii") as f:
+                f.write("# egressbox scratch space (temp files and caches)\n*\n")
+    except OSError:
+        return None
+    return Scratch(os.path.join(base, "tmp"), os.path.join(base, "cache"))
+
+
+def _bind_back(
+    write_roots: Sequence[str], read_paths: Sequence[str]
+) -> tuple[tuple[str, bool], ...]:
+    """Granted paths that live under a directory the mount namespace hides."""
+    found: dict[str, bool] = {}
+    for path, writable in [(p, True) for p in write_roots] + [(p, False) for p in read_paths]:
+        if any(is_under(path, hidden) for hidden in HIDDEN_DIRS) and os.path.exists(path):
+            found[path] = found.get(path, False) or writable
+    return tuple(found.items())
+
+
+def _host_listeners() -> list[socket.socket]:
+    # No network namespace: the proxy listens on the host's loopback and
+    # Landlock ports plus seccomp hold the child to those port numbers.
+    listeners: list[socket.socket] = []
+    try:
+        for _ in range(2):
+            listeners.append(netns.bind_listener("127.0.0.1", 0))
+    except OSError as exc:
+        for sock in listeners:
+            sock.close()
+        # e.g. inside another run's Landlock domain, which refuses every bind
+        raise EgressboxError(
+            f"cannot listen on 127.0.0.1 for the proxy: {exc.strerror or exc}"
+        ) from None
+    return listeners
+
+
+def enforcement_report(
+    profile: Profile, chosen: frozenset[Mechanism]
+) -> tuple[list[MechanismReport], Enforcement]:
+    rows = []
+    for mechanism in sorted(wanted(profile) | chosen):
+        on = mechanism in chosen
+        rows.append(
+            MechanismReport(
+                mechanism.value,
+                Enforcement.FULL if on else Enforcement.NONE,
+                "applied" if on else "unavailable on this host",
+            )
+        )
+    network = _network_boundary(chosen)
+    rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
+    return rows, network
+
+
+_NETWORK_DETAIL = {
+    Enforcement.FULL: "a private network namespace: the proxy is the only endpoint",
+    Enforcement.PARTIAL: "no network namespace: TCP only, to the proxy's port numbers, "
+    "but on any address",
+    Enforcement.NONE: "the child could reach the network directly",
+}
+
+
+def _network_boundary(chosen: frozenset[Mechanism]) -> Enforcement:
+    if Mechanism.NETWORK_NAMESPACE in chosen:
+        return Enforcement.FULL
+    if Mechanism.LANDLOCK_NET in chosen and Mechanism.SECCOMP in chosen:
+        return Enforcement.PARTIAL
+    return Enforcement.NONE
+
+
+# -- spawning ---------------------------------------------------------------------------
+
+
+@dataclass
+class Launched:
+    pid: int
+    listeners: list[socket.socket]
+    stdout_fd: int | None = None
+    stderr_fd: int | None = None
+
+
+class LaunchFailedError(EgressboxError):
+    def __init__(self, message: str, code: int = EXIT_CANNOT_CONFINE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
+    """Fork the launcher and receive the listeners it bound (or use the host's)."""
+    from egressbox.confine.launcher import launcher_main
+
+    parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pipes = (os.pipe(), os.pipe()) if capture_output else None
+    pid = os.fork()
+    if pid == 0:  # the launcher
+        parent_chan.close()
+        if pipes is not None:
+            os.dup2(pipes[0][1], 1)
+            os.dup2(pipes[1][1], 2)
+        launcher_main(prepared.plan, child_chan.detach())
+    child_chan.close()
+    out_fd = err_fd = None
+    if pipes is not None:
+        os.close(pipes[0][1])
+        os.close(pipes[1][1])
+        out_fd, err_fd = pipes[0][0], pipes[1][0]
+    try:
+        listeners = _receive(parent_chan, prepared)
+    except BaseException:
+        _kill_and_reap(pid)
+        raise
+    finally:
+        parent_chan.close()
+    return Launched(pid, listeners, out_fd, err_fd)
+
+
+def _receive(chan: socket.socket, prepared: Prepared) -> list[socket.socket]:
+    chan.settimeout(LAUNCHER_TIMEOUT)
+    try:
+        message, fds = netns.recv_message(chan)
+    except TimeoutError:
+        raise LaunchFailedError("the launcher did not start in time") from None
+    if message.get("event") == "refused":
+        raise LaunchFailedError(str(message.get("message", "confinement failed")))
+    if message.get("event") != "listening":
+        raise LaunchFailedError("the launcher ended before it was ready")
+    if not fds:
+        return prepared.host_listeners
+    listeners = [socket.socket(fileno=fd) for fd in fds]
+    own = netns.own_namespace_inode()
+    if any(netns.namespace_inode(s) == own for s in listeners):
+        for sock in listeners:
+            sock.close()
+        raise LaunchFailedError("the child's listeners are not in a private network namespace")
+    return listeners
+
+
+def _kill_and_reap(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+# -- serving while the command runs -------------------------------------------------------
+
+
+async def supervise(
+    launched: Launched,
+    options: RunOptions,
+    prepared: Prepared,
+    *,
+    audit: AuditSink | None = None,
+    log: Any = None,
+) -> RunResult:
+    """Serve the child's listeners until the launcher exits; return the result."""
+    import asyncio
+
+    from egressbox.resolve import DnsResolver
+    from egressbox.server import EgressProxy
+
+    http, socks = launched.listeners[0], launched.listeners[1]
+    for sock in launched.listeners:
+        sock.setblocking(False)
+    resolver = DnsResolver(list(options.nameservers)) if options.nameservers else None
+    proxy = EgressProxy(
+        options.policy,
+        http_sockets=[http],
+        socks_sockets=[socks],
+        resolver=resolver,
+        audit=audit,
+        keep_records=True,
+        log=log,
+    )
+    await proxy.start()
+    loop = asyncio.get_running_loop()
+    readers = [_collect(fd) for fd in (launched.stdout_fd, launched.stderr_fd)]
+    try:
+        code = await _wait_forwarding(loop, launched.pid)
+        outputs = [await r for r in readers]
+    finally:
+        await proxy.close(0)
+    result = RunResult(code, list(proxy.records), prepared.report)
+    result.stdout, result.stderr = outputs
+    if code != 0:
+        result.refusal = classify_refusal(result.records, code)
+    return result
+
+
+async def _collect(fd: int | None) -> bytes | None:
+    import asyncio
+
+    if fd is None:
+        return None
+    loop = asyncio.get_running_loop()
+    chunks: list[bytes] = []
+    done = loop.create_future()
+
+    def readable() -> None:
+        data = os.read(fd, 65536)
+        if data:
+            chunks.append(data)
+            return
+        loop.remove_reader(fd)
+        os.close(fd)
+        done.set_result(None)
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
+    await done
+    return b"".join(chunks)
+
+
+async def _wait_forwarding(loop: Any, pid: int) -> int:
+    """Wait for the launcher (pidfd), passing SIGINT/SIGTERM/SIGHUP on to it."""
+    import asyncio
+
+    from egressbox.confine.launcher import FORWARDED
+
+    def forward(signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    installed = []
+    for signum in FORWARDED:
+        with contextlib.suppress(RuntimeError, ValueError):
+            loop.add_signal_handler(signum, forward, signum)
+            installed.append(signum)
+    pidfd = os.pidfd_open(pid)
+    exited = loop.create_future()
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await exited
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+    _, status = os.waitpid(pid, 0)
+    del asyncio
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def classify_refusal(records: Sequence[AuditRecord], code: int) -> RefusalRecord:
+    """Which boundary most likely refused a failing child."""
+    denied = [r for r in records if r.decision.value == "deny"]
+    if denied:
+        seen = dict.fromkeys(f"{r.host}:{r.port} ({r.reason.value})" for r in denied)
+        return RefusalRecord("egress", tuple(seen))
+    del code
+    return RefusalRecord("unknown")
+
+
+# -- the whole run -----------------------------------------------------------------------
+
+
+def options_for(
+    cmd: Sequence[str],
+    *,
+    policy: Policy | None,
+    profile: Profile | str = Profile.WORKSPACE_PATHS,
+    write_roots: Sequence[str] = (),
+    read_roots: Sequence[str] = (),
+    env: EnvPolicy | str = EnvPolicy.INHERITED,
+    grants: Mapping[str, str | None] | None = None,
+    allow_loopback: bool = False,
+    pass_fds: Sequence[int] = (),
+    cwd: str | None = None,
+    base_env: Mapping[str, str] | None = None,
+    nameservers: Sequence[tuple[str, int]] = (),
+) -> RunOptions:
+    """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined()."""
+    if not cmd:
+        raise ValueError("cmd must name a program")
+    return RunOptions(
+        argv=tuple(cmd),
+        policy=policy,
+        profile=Profile(profile),
+        write_roots=tuple(write_roots),
+        read_roots=tuple(read_roots),
+        env_policy=EnvPolicy(env),
+        grants=dict(grants or {}),
+        allow_loopback=allow_loopback,
+        pass_fds=tuple(pass_fds),
+        cwd=cwd,
+        base_env=base_env,
+        nameservers=tuple(nameservers),
+    )
+
+
+def run_options_sync(
+    options: RunOptions,
+    *,
+    audit: AuditSink | None = None,
+    capture_output: bool = False,
+    log: Any = None,
+    facts: HostFacts | None = None,
+) -> RunResult:
+    """Plan, fork the launcher, serve until the command exits (blocking)."""
+    prepared = prepare(options, facts or host_facts())
+    launched = spawn(prepared, capture_output=capture_output)
+    from egressbox.serve import run_loop
+
+    holder: list[RunResult] = []
+
+    async def main() -> int:
+        holder.append(await supervise(launched, options, prepared, audit=audit, log=log))
+        return 0
+
+    run_loop(main)
+    return holder[0]
+
+
+async def run_options(
+    options: RunOptions,
+    *,
+    audit: AuditSink | None = None,
+    capture_output: bool = False,
+    log: Any = None,
+    facts: HostFacts | None = None,
+) -> RunResult:
+    """The async twin of run_options_sync (forks from the running loop's thread)."""
+    prepared = prepare(options, facts or host_facts())
+    launched = spawn(prepared, capture_output=capture_output)
+    return await supervise(launched, options, prepared, audit=audit, log=log)
+
+
+async def run(
+    cmd: Sequence[str],
+    *,
+    policy: Policy | None,
+    audit: AuditSink | None = None,
+    capture_output: bool = False,
+    **kwargs: Any,
+) -> RunResult:
+    """Run `cmd` confined behind a managed proxy; see options_for() for the keywords.
+
+    result = await egressbox.run(["curl", "https://pypi.org"], policy=policy)
+    result.exit_code, result.records, result.report, result.refusal
+    """
+    options = options_for(cmd, policy=policy, **kwargs)
+    return await run_options(options, audit=audit, capture_output=capture_output)
+
+
+def run_sync(
+    cmd: Sequence[str],
+    *,
+    policy: Policy | None,
+    audit: AuditSink | None = None,
+    capture_output: bool = False,
+    **kwargs: Any,
+) -> RunResult:
+    """The blocking twin of run() (starts its own event loop)."""
+    options = options_for(cmd, policy=policy, **kwargs)
+    return run_options_sync(options, audit=audit, capture_output=capture_output)
+
+
+class ConfinedProcess:
+    """A Popen-like handle on a confined command that is running now."""
+
+    def __init__(self, launched: Launched, task: Any) -> None:
+        self._launched = launched
+        self._task = task
+
+    @property
+    def pid(self) -> int:
+        """The launcher's pid: signals sent here reach the command."""
+        return self._launched.pid
+
+    def send_signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._launched.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> RunResult:
+        result: RunResult = await self._task
+        return result
+
+
+async def spawn_confined(
+    cmd: Sequence[str],
+    *,
+    policy: Policy | None,
+    audit: AuditSink | None = None,
+    capture_output: bool = False,
+    **kwargs: Any,
+) -> ConfinedProcess:
+    """Start `cmd` confined and return at once with a handle (stream by polling wait())."""
+    import asyncio
+
+    options = options_for(cmd, policy=policy, **kwargs)
+    prepared = prepare(options, host_facts())
+    launched = spawn(prepared, capture_output=capture_output)
+    task = asyncio.get_running_loop().create_task(
+        supervise(launched, options, prepared, audit=audit)
+    )
+    return ConfinedProcess(launched, task)
+
+
+def exit_code_for(error: BaseException) -> int:
+    if isinstance(error, CommandNotFoundError):
+        return EXIT_NOT_FOUND
+    return EXIT_CANNOT_CONFINE
+
+
+def write_err(line: str) -> None:
+    sys.stderr.write(f"egressbox: {line}\n")
+    sys.stderr.flush()
+
+
+def run_command(args: Any, argv: list[str]) -> int:
+    """`egressbox run`: the CLI front of run_sync (no asyncio imported before the fork)."""
+    from egressbox.audit import JsonlFileSink
+    from egressbox.cli import EXIT_USAGE
+    from egressbox.errors import AuditError
+
+    options = _cli_options(args, argv)
+    if options is None:
+        return EXIT_USAGE
+    try:
+        audit = JsonlFileSink(args.audit_log) if args.audit_log else None
+    except AuditError as exc:
+        write_err(f"--audit-log: {exc}")
+        return EXIT_USAGE
+    try:
+        result = _run_reporting_errors(options, audit, quiet=args.quiet)
+    finally:
+        if audit is not None:
+            audit.close()
+    if isinstance(result, int):
+        return result
+    if args.report:
+        for row in result.report:
+            write_err(f"enforcement: {row.mechanism}: {row.enforcement.value} ({row.detail})")
+    if result.refusal is not None:
+        write_err(result.refusal.line(result.exit_code))
+    return result.exit_code
+
+
+def _cli_options(args: Any, argv: list[str]) -> RunOptions | None:
+    from egressbox.cli import load_cli_policy
+    from egressbox.confine.env import parse_grant
+    from egressbox.errors import PolicyError
+    from egressbox.resolve import parse_nameserver
+
+    try:
+        policy = load_cli_policy(args.policy)
+        grants = dict(parse_grant(text) for text in args.grant)
+        servers = tuple(parse_nameserver(text) for text in args.nameserver)
+    except (PolicyError, ValueError) as exc:
+        write_err(str(exc))
+        return None
+    return RunOptions(
+        argv=tuple(argv),
+        policy=policy,
+        profile=Profile(args.profile),
+        write_roots=tuple(args.write_root),
+        read_roots=tuple(args.read_root),
+        env_policy=EnvPolicy(args.env_policy),
+        grants=grants,
+        allow_loopback=args.allow_loopback,
+        pass_fds=tuple(args.pass_fd),
+        nameservers=servers,
+    )
+
+
+def _run_reporting_errors(
+    options: RunOptions, audit: AuditSink | None, *, quiet: bool
+) -> RunResult | int:
+    from egressbox.server import stderr_log
+
+    try:
+        return run_options_sync(options, audit=audit, log=None if quiet else stderr_log)
+    except RunRefusedError as exc:
+        for refusal in exc.refusals:
+            write_err(refusal.message())
+        return EXIT_CANNOT_CONFINE
+    except CommandNotFoundError as exc:
+        write_err(str(exc))
+        return EXIT_NOT_FOUND
+    except EgressboxError as exc:
+        write_err(str(exc))
+        return EXIT_CANNOT_CONFINE

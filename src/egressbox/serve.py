@@ -1,0 +1,165 @@
+"""`egressbox serve`: the proxy as a long-running command.
+
+Owns what only a process has: the event loop (uvloop where installed), the
+ready line on stdout, signals (SIGHUP reload, SIGINT/SIGTERM drain), the
+audit file and the descriptor limit. Everything else is EgressProxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import resource
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from egressbox.audit import AuditSink, JsonlFileSink, StreamSink
+from egressbox.cli import EXIT_OK, EXIT_START, EXIT_USAGE, make_resolver
+from egressbox.errors import AuditError, PolicyError
+from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
+from egressbox.resolve import parse_nameserver
+from egressbox.server import EgressProxy, stderr_log
+
+# Largest TCP port number.
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    policy_path: str
+    listen: str = "127.0.0.1"
+    http_port: int | None = 0
+    socks_port: int | None = 0
+    audit_log: str | None = None
+    quiet: bool = False
+    nameservers: tuple[str, ...] = ()
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (each tunnel holds two fds)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def run_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Run `main` on uvloop when it is installed (faster relay), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
+
+
+def serve(options: ServeOptions) -> int:
+    try:
+        policy = load_policy(options.policy_path)
+    except PolicyError as exc:
+        print(f"{exc.source or 'policy'}: {len(exc.problems)} problem(s):", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        servers = [parse_nameserver(text) for text in options.nameservers]
+    except ValueError as exc:
+        print(f"egressbox: --nameserver: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    usage = usage_problem(options)
+    if usage:
+        print(f"egressbox: {usage}", file=sys.stderr)
+        return EXIT_USAGE
+    if policy.mode is Mode.REPORT:
+        stderr_log(f"warning: {REPORT_MODE_WARNING}")
+    raise_nofile_limit()
+    try:
+        audit = open_audit(options.audit_log)
+    except AuditError as exc:
+        print(f"egressbox: --audit-log: {exc}", file=sys.stderr)
+        return EXIT_START
+    try:
+        return run_loop(lambda: _serve(options, policy, servers, audit))
+    finally:
+        if audit is not None:
+            audit.close()
+
+
+def usage_problem(options: ServeOptions) -> str:
+    """A bad --listen or port is a usage error (exit 2), not a failure to start (3)."""
+    try:
+        ipaddress.ip_address(options.listen)
+    except ValueError:
+        return f"--listen: {options.listen!r} is not an IP address (e.g. 127.0.0.1 or ::1)"
+    for flag, port in (("--http-port", options.http_port), ("--socks-port", options.socks_port)):
+        if port is not None and not 0 <= port <= MAX_PORT:
+            return f"{flag}: {port} is not a TCP port; use 0-{MAX_PORT} (0 picks a free one)"
+    return ""
+
+
+def open_audit(path: str | None) -> AuditSink | None:
+    if path is None:
+        return None
+    if path == "-":
+        return StreamSink(sys.stdout.fileno())
+    return JsonlFileSink(path)
+
+
+async def _serve(
+    options: ServeOptions,
+    policy: Policy,
+    servers: list[tuple[str, int]],
+    audit: AuditSink | None,
+) -> int:
+    # --nameserver overrides [dns] nameservers (keeping its timeout and cache);
+    # without it the proxy builds the resolver from [dns] itself, so that a
+    # SIGHUP reload with changed [dns] settings takes effect.
+    resolver = make_resolver(policy, servers) if servers else None
+    proxy = EgressProxy(
+        policy,
+        listen=options.listen,
+        http_port=options.http_port,
+        socks_port=options.socks_port,
+        resolver=resolver,
+        audit=audit,
+        log=None if options.quiet else stderr_log,
+    )
+    try:
+        await proxy.start()
+    except (OSError, ValueError) as exc:
+        print(f"egressbox: cannot start the proxy: {exc}", file=sys.stderr)
+        return EXIT_START
+    # Signal handlers before the ready line: a supervisor may send SIGHUP or
+    # SIGTERM as soon as it reads the line, and SIGHUP's default action kills.
+    stop = asyncio.Event()
+    _install_signals(proxy, options.policy_path, stop)
+    # The ready line: one JSON object, then nothing else on stdout (records
+    # go there only with --audit-log -).
+    os.write(sys.stdout.fileno(), (json.dumps(proxy.ready_line()) + "\n").encode())
+    await stop.wait()
+    await proxy.close()
+    return EXIT_OK
+
+
+def _install_signals(proxy: EgressProxy, path: str, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload_policy(proxy, path))
+
+
+def reload_policy(proxy: EgressProxy, path: str) -> bool:
+    """SIGHUP: load the file anew; a bad file keeps the old policy and says why."""
+    try:
+        policy = load_policy(path)
+    except PolicyError as exc:
+        stderr_log(f"reload refused, keeping the old policy: {exc}")
+        return False
+    proxy.set_policy(policy)
+    stderr_log(f"policy reloaded from {path}")
+    return True

@@ -1,0 +1,455 @@
+"""The egress proxy: listeners, per-connection glue, limits, drain and reload.
+
+No parsing and no matching happens here: the sans-IO parsers in
+`protocols/` turn bytes into requests, `egress.check` decides, `dial`
+connects to the checked addresses only, `relay` pumps bytes. This module
+wires them together, enforces the limits and writes one audit record per
+decision before any reply goes out.
+
+Connections start on a small asyncio Protocol (no Task while a client is
+slow to send its head); once a head is complete, one Task decides, dials
+and answers, and a tunnel then runs on the relay's protocol pair with no
+Task at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+from egressbox.audit import AuditProtocol, AuditRecord, AuditSink
+from egressbox.decide import Decision, SelfEndpoints, bad_target, deny, parse_target
+from egressbox.dial import dial
+from egressbox.egress import check
+from egressbox.errors import AuditError, HostError, Reason
+from egressbox.hosts import IPAddress, format_authority
+from egressbox.limits import Limits
+from egressbox.netinfo import local_addresses
+from egressbox.policy import Policy
+from egressbox.relay import RelayStats, Tunnel, open_tunnel, take_socket
+from egressbox.resolve import DnsResolver, Resolver
+
+Log = Callable[[str], None]
+RecordCallback = Callable[[AuditRecord], None]
+Credentials = Callable[[str, str], bool]
+
+# Listen backlog: large enough for a burst of short tunnels from a parallel
+# build (Linux caps it at net.core.somaxconn, 4096 by default).
+LISTEN_BACKLOG = 1024
+
+
+def stderr_log(line: str) -> None:
+    print(f"egressbox: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class ProxyState:
+    """What every connection shares; swapped atomically by set_policy()."""
+
+    policy: Policy | None
+    resolver: Resolver
+    limits: Limits
+    audit: AuditSink | None
+    on_record: RecordCallback | None
+    log: Log | None
+    socks_credentials: Credentials | None
+    self_endpoints: SelfEndpoints = field(default_factory=SelfEndpoints)
+    audit_error: str | None = None
+    connections: set[Connection] = field(default_factory=set)
+    tunnels: set[Tunnel] = field(default_factory=set)
+    accepting: bool = True
+
+    def over_limit(self) -> bool:
+        """True when one more connection would exceed max_connections (asked before adding it)."""
+        return len(self.connections) + len(self.tunnels) >= self.limits.max_connections
+
+    def emit(self, record: AuditRecord) -> None:
+        """Write one audit record; on failure stop admitting anything (and say why)."""
+        try:
+            if self.audit is not None:
+                self.audit.write(record)
+        except AuditError as exc:
+            if self.audit_error is None:
+                self.audit_error = str(exc)
+                stderr_log(f"audit log cannot be written ({exc}); refusing new connections")
+            raise
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def diagnostic(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+
+
+class Connection(asyncio.Protocol):
+    """Common state of a client connection before it becomes a tunnel."""
+
+    protocol_name = AuditProtocol.CONNECT
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.started = time.monotonic()
+        self.over_limit = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport: cast, don't check.
+        self.transport = cast(asyncio.Transport, transport)
+        self.over_limit = self.state.over_limit()
+        self.state.connections.add(self)
+        loop = asyncio.get_running_loop()
+        # Slowloris: the whole head or handshake must arrive in time.
+        self.timer = loop.call_later(self.state.limits.head_timeout, self.head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state.connections.discard(self)
+        self.cancel_timer()
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def head_timed_out(self) -> None:
+        self.timer = None
+        self.state.diagnostic(f"{self.protocol_name}: no complete request within the head timeout")
+        self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def start(self, work: Callable[[], object]) -> None:
+        """Stop reading, then decide and answer in one Task."""
+        self.cancel_timer()
+        assert self.transport is not None
+        self.transport.pause_reading()
+        coro = work()
+        assert asyncio.iscoroutine(coro)
+        self.task = asyncio.get_running_loop().create_task(self._guard(coro))
+
+    async def _guard(self, coro: object) -> None:
+        try:
+            await coro  # type: ignore[misc]
+        except asyncio.CancelledError:
+            self.abort()
+        except Exception as exc:  # a bug must not kill the server
+            stderr_log(f"internal error on a {self.protocol_name} connection: {exc!r}")
+            self.abort()
+
+    # -- shared steps ------------------------------------------------------------
+
+    async def decide(self, host: str, port: int | str) -> Decision:
+        """The decision for a target, audited before any reply goes out."""
+        state = self.state
+        if state.audit_error is not None:
+            decision = _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error)
+            return decision
+        if self.over_limit:
+            decision = _refusal(host, port, Reason.TOO_MANY_CONNECTIONS, "too many connections")
+        else:
+            decision = await check(
+                state.policy, state.resolver, host, port, self_endpoints=state.self_endpoints
+            )
+        record = AuditRecord.create(
+            self.protocol_name, decision.host, decision.port, decision.verdict, decision.reason
+        )
+        try:
+            state.emit(record)
+        except AuditError:
+            return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error or "")
+        return decision
+
+    async def dial_pinned(self, decision: Decision) -> socket.socket:
+        return await dial(
+            decision.addresses, decision.port, timeout=self.state.limits.connect_timeout
+        )
+
+    async def tunnel(
+        self, upstream: socket.socket, decision: Decision, to_upstream: bytes, to_client: bytes
+    ) -> None:
+        """Hand the client socket and the upstream socket to the relay."""
+        assert self.transport is not None
+        try:
+            if self.transport.is_closing():
+                raise ValueError("the client connection is closed")
+            client = take_socket(self.transport)
+        except (OSError, ValueError):
+            # The client left (say, a reset) while the decision or the dial was
+            # in flight: nothing to relay, and the upstream socket is ours to close.
+            upstream.close()
+            self.transport.abort()
+            return
+        self.state.connections.discard(self)
+        tunnel = await open_tunnel(
+            client,
+            upstream,
+            idle_timeout=self.state.limits.idle_timeout,
+            initial_to_upstream=to_upstream,
+            initial_to_client=to_client,
+        )
+        self.state.tunnels.add(tunnel)
+        label = f"{self.protocol_name} {format_authority(decision.host, decision.port)}"
+        verdict = f"{decision.verdict.value} {decision.reason.value}"
+
+        def finished(done: asyncio.Future[RelayStats]) -> None:
+            self.state.tunnels.discard(tunnel)
+            stats = done.result()
+            self.state.diagnostic(
+                f"{label} {verdict} up={stats.bytes_up} down={stats.bytes_down} "
+                f"{stats.duration:.3f}s closed_by={stats.closed_by.value}"
+            )
+
+        tunnel.done.add_done_callback(finished)
+
+    def log_refusal(self, decision: Decision, extra: str = "") -> None:
+        target = format_authority(decision.host, decision.port) if decision.port else decision.host
+        tail = f" ({extra})" if extra else ""
+        self.state.diagnostic(
+            f"{self.protocol_name} {target} {decision.verdict.value} {decision.reason.value}{tail}"
+        )
+
+
+def _refusal(host: str, port: int | str, reason: Reason, detail: str) -> Decision:
+    try:
+        target = parse_target(host, port)
+    except HostError as exc:
+        return bad_target(exc, port)
+    return deny(reason, target, detail)
+
+
+# -- the proxy ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listener:
+    kind: str  # "http" | "socks5"
+    address: tuple[str, int]
+
+    @property
+    def authority(self) -> str:
+        return format_authority(self.address[0], self.address[1])
+
+
+class EgressProxy:
+    """An egress proxy with HTTP (CONNECT and plain forwarding) and SOCKS5 listeners.
+
+        async with EgressProxy(policy, keep_records=True) as proxy:
+            ... proxy.http_url, proxy.socks_url, proxy.records ...
+
+    Ports default to 0 (the OS picks a free one); `listen` defaults to
+    127.0.0.1, never a wildcard (that would be an open proxy). Pre-bound
+    listening sockets (from the confinement launcher) can be served instead.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | None,
+        *,
+        listen: str = "127.0.0.1",
+        http_port: int | None = 0,
+        socks_port: int | None = 0,
+        resolver: Resolver | None = None,
+        audit: AuditSink | None = None,
+        on_record: RecordCallback | None = None,
+        keep_records: bool = False,
+        log: Log | None = None,
+        socks_credentials: Credentials | None = None,
+        http_sockets: Sequence[socket.socket] = (),
+        socks_sockets: Sequence[socket.socket] = (),
+        limits: Limits | None = None,
+    ) -> None:
+        self.records: list[AuditRecord] = []
+        if keep_records:
+            on_record = _chain(self.records.append, on_record)
+        self._listen = listen
+        self._ports = {"http": http_port, "socks5": socks_port}
+        self._given = {"http": list(http_sockets), "socks5": list(socks_sockets)}
+        self._own_resolver = resolver is None
+        self.state = ProxyState(
+            policy=policy,
+            resolver=resolver or default_resolver(policy),
+            limits=limits or (policy.limits if policy is not None else Limits()),
+            audit=audit,
+            on_record=on_record,
+            log=log,
+            socks_credentials=socks_credentials,
+        )
+        self._servers: list[asyncio.Server] = []
+        self.listeners: list[Listener] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        from egressbox.connections import HttpConnection, SocksConnection
+
+        factories = {"http": HttpConnection, "socks5": SocksConnection}
+        try:
+            for kind, factory in factories.items():
+                for sock in self._sockets(kind):
+                    await self._serve(kind, sock, factory)
+        except BaseException:
+            await self.close(0)
+            raise
+        self.state.self_endpoints = self._self_endpoints()
+
+    def _sockets(self, kind: str) -> list[socket.socket]:
+        given = self._given[kind]
+        if given:
+            return given
+        port = self._ports[kind]
+        return [] if port is None else [bind_listener(self._listen, port)]
+
+    async def _serve(self, kind: str, sock: socket.socket, factory: type[Connection]) -> None:
+        state = self.state
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: factory(state), sock=sock, backlog=LISTEN_BACKLOG)
+        self._servers.append(server)
+        name = sock.getsockname()
+        self.listeners.append(Listener(kind, (_unmapped_text(name[0]), name[1])))
+
+    def _self_endpoints(self) -> SelfEndpoints:
+        pairs: set[tuple[IPAddress, int]] = set()
+        wildcard: set[int] = set()
+        for listener in self.listeners:
+            ip = ipaddress.ip_address(listener.address[0])
+            if ip.is_unspecified:
+                wildcard.add(listener.address[1])
+            pairs.add((ip, listener.address[1]))
+        local = frozenset(local_addresses()) if wildcard else frozenset()
+        return SelfEndpoints(frozenset(pairs), frozenset(wildcard), local)
+
+    async def close(self, drain_timeout: float | None = None) -> None:
+        """Stop accepting, let open connections finish for drain_timeout, abort the rest."""
+        state = self.state
+        state.accepting = False
+        for server in self._servers:
+            server.close()
+        timeout = state.limits.drain_timeout if drain_timeout is None else drain_timeout
+        deadline = time.monotonic() + timeout
+        while (state.connections or state.tunnels) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(state.connections):
+            conn.abort()
+        for tunnel in list(state.tunnels):
+            tunnel.abort()
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        await asyncio.sleep(0)  # let aborted transports run connection_lost
+        self._servers.clear()
+
+    async def __aenter__(self) -> EgressProxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- views and controls --------------------------------------------------------
+
+    def set_policy(self, policy: Policy) -> None:
+        """Swap the policy atomically: connections decided from now on use it.
+
+        Its [limits] apply to new connections; its [dns] settings replace the
+        resolver unless the caller supplied one.
+        """
+        state = self.state
+        old = state.policy
+        if self._own_resolver and (old is None or old.dns != policy.dns):
+            state.resolver = default_resolver(policy)
+        state.limits = policy.limits
+        state.policy = policy
+
+    @property
+    def policy(self) -> Policy | None:
+        return self.state.policy
+
+    def _first(self, kind: str) -> Listener | None:
+        return next((item for item in self.listeners if item.kind == kind), None)
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        found = self._first("http")
+        return found.address if found else None
+
+    @property
+    def socks_address(self) -> tuple[str, int] | None:
+        found = self._first("socks5")
+        return found.address if found else None
+
+    @property
+    def http_url(self) -> str | None:
+        found = self._first("http")
+        return f"http://{found.authority}" if found else None
+
+    @property
+    def socks_url(self) -> str | None:
+        found = self._first("socks5")
+        return f"socks5h://{found.authority}" if found else None
+
+    def ready_line(self) -> dict[str, str]:
+        line = {"event": "ready"}
+        for kind in ("http", "socks5"):
+            found = self._first(kind)
+            if found is not None:
+                line[kind] = found.authority
+        return line
+
+
+def _chain(first: RecordCallback, second: RecordCallback | None) -> RecordCallback:
+    def both(record: AuditRecord) -> None:
+        first(record)
+        if second is not None:
+            second(record)
+
+    return both
+
+
+def default_resolver(policy: Policy | None) -> DnsResolver:
+    if policy is None:
+        return DnsResolver()
+    dns = policy.dns
+    servers = [(str(ip), port) for ip, port in dns.nameservers] or None
+    return DnsResolver(servers, timeout=dns.timeout, cache_size=dns.cache_size, max_ttl=dns.max_ttl)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: the OS picks a free one)."""
+    ip = ipaddress.ip_address(host)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # "::" serves both families only when asked; keep a v6 listener v6.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if ip.is_unspecified else 1)
+        sock.bind((str(ip), port))
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _unmapped_text(host: str) -> str:
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)

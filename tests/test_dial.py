@@ -1,0 +1,375 @@
+"""Tests for egressbox.dial with real loopback listeners, on asyncio and uvloop.
+
+A "blackholed" address is a loopback listener whose accept queue is full:
+Linux drops further SYNs (tcp_abort_on_overflow=0), so a connect just hangs,
+like one to a host that drops packets. Unreachable networks and a TEST-NET
+blackhole are only ever used inside a network namespace the test creates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from ipaddress import IPv4Address, IPv6Address, ip_address
+from typing import Any
+
+import pytest
+import uvloop
+
+from egressbox.dial import (
+    DialError,
+    DialFailure,
+    dial,
+    failure_for,
+    interleave_families,
+)
+from egressbox.errors import EgressboxError
+
+pytestmark = pytest.mark.timeout(60)
+
+Scenario = Callable[[], Coroutine[Any, Any, None]]
+Runner = Callable[[Scenario], None]
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+V4 = ip_address("127.0.0.1")
+V6 = ip_address("::1")
+# Generous for a connection on loopback.
+TIMEOUT = 5.0
+# For dials that must time out on purpose.
+SHORT = 0.3
+# A stagger no test should ever wait out.
+LONG_STAGGER = 30.0
+# Ports tried when several addresses must share one.
+PORT_TRIES = 20
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(params=list(LOOPS))
+def run(request: pytest.FixtureRequest) -> Runner:
+    factory = LOOPS[request.param]
+
+    def runner(scenario: Scenario) -> None:
+        with asyncio.Runner(loop_factory=factory) as r:
+            r.run(scenario())
+
+    return runner
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # over TIME_WAIT
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@contextmanager
+def listening(host: str, port: int = 0) -> Iterator[int]:
+    with _bound(host, port) as sock:
+        sock.listen(8)
+        yield sock.getsockname()[1]
+
+
+@contextmanager
+def refusing(host: str, port: int = 0) -> Iterator[int]:
+    """A bound port with no listener: the kernel answers SYNs with RST."""
+    with _bound(host, port) as sock:
+        yield sock.getsockname()[1]
+
+
+@contextmanager
+def blackholed(host: str, port: int = 0) -> Iterator[int]:
+    """A listener whose accept queue is full: further SYNs are dropped."""
+    with _bound(host, port) as sock, socket.socket(sock.family) as filler:
+        sock.listen(0)  # room for exactly one queued connection
+        bound = sock.getsockname()[1]
+        filler.connect((host, bound))
+        yield bound
+
+
+Endpoint = Callable[[str, int], AbstractContextManager[int]]
+
+
+@contextmanager
+def one_port(*endpoints: tuple[Endpoint, str]) -> Iterator[int]:
+    """Open every endpoint on one port: the first picks it, the others follow.
+
+    An ephemeral port free on one address may be taken on another (by a
+    connection of an earlier test): then try another port, a bounded number
+    of times.
+    """
+    (first, first_host), *rest = endpoints
+    for _ in range(PORT_TRIES):
+        with ExitStack() as stack:
+            port = stack.enter_context(first(first_host, 0))
+            try:
+                for endpoint, host in rest:
+                    stack.enter_context(endpoint(host, port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            yield port
+            return
+    raise RuntimeError(f"no port free on every address after {PORT_TRIES} tries")
+
+
+def peer_host(sock: socket.socket) -> str:
+    return str(sock.getpeername()[0])
+
+
+def check_returned(sock: socket.socket) -> None:
+    assert not sock.getblocking()
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+# --- Order ---------------------------------------------------------------------------
+
+
+def test_interleave_starts_with_first_family_and_alternates() -> None:
+    a6, b6, c6 = (IPv6Address(f"2001:db8::{i}") for i in (1, 2, 3))
+    a4, b4 = IPv4Address("192.0.2.1"), IPv4Address("192.0.2.2")
+    assert interleave_families([a6, b6, c6, a4, b4]) == [a6, a4, b6, b4, c6]
+    assert interleave_families([a4, a6, b6, c6]) == [a4, a6, b6, c6]
+    assert interleave_families([a4, b4, a4]) == [a4, b4]
+    assert interleave_families([]) == []
+
+
+def test_failure_codes() -> None:
+    assert failure_for(ConnectionRefusedError()) is DialFailure.CONNECT_REFUSED
+    assert failure_for(OSError(errno.ECONNREFUSED, "x")) is DialFailure.CONNECT_REFUSED
+    assert failure_for(OSError(errno.ETIMEDOUT, "x")) is DialFailure.CONNECT_TIMEOUT
+    for code in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EAFNOSUPPORT):
+        assert failure_for(OSError(code, "x")) is DialFailure.NETWORK_UNREACHABLE
+    assert failure_for(OSError(errno.EADDRNOTAVAIL, "x")) is DialFailure.CONNECT_FAILED
+    assert failure_for(OSError("no errno")) is DialFailure.CONNECT_FAILED
+    assert issubclass(DialError, EgressboxError)
+    assert [f.value for f in DialFailure] == [
+        "connect_refused",
+        "connect_timeout",
+        "network_unreachable",
+        "connect_failed",
+    ]
+
+
+def test_bad_arguments(run: Runner) -> None:
+    async def scenario() -> None:
+        for addresses, port, timeout in (([], 80, 1.0), ([V4], 0, 1.0), ([V4], 65536, 1.0)):
+            with pytest.raises(ValueError):
+                await dial(addresses, port, timeout=timeout)
+        with pytest.raises(ValueError):
+            await dial([V4], 80, timeout=0)
+
+    run(scenario)
+
+
+# --- Loopback dials --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_single_address_connects(run: Runner, host: str) -> None:
+    async def scenario() -> None:
+        with listening(host) as port, await dial([ip_address(host)], port, timeout=TIMEOUT) as sock:
+            check_returned(sock)
+            assert sock.getpeername()[:2] == (host, port)
+
+    run(scenario)
+
+
+def test_refused(run: Runner) -> None:
+    async def scenario() -> None:
+        before = fd_count()
+        with refusing("127.0.0.1") as port, pytest.raises(DialError) as caught:
+            await dial([V4], port, timeout=TIMEOUT)
+        assert caught.value.reason is DialFailure.CONNECT_REFUSED
+        assert str(caught.value) == f"connection refused by 127.0.0.1 port {port}"
+        assert fd_count() == before
+
+    run(scenario)
+
+
+def test_blackholed_first_address_then_second_wins(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((blackholed, "127.0.0.2"), (listening, "127.0.0.3")) as port:
+            before = fd_count()
+            addresses = [ip_address("127.0.0.2"), ip_address("127.0.0.3")]
+            sock = await dial(addresses, port, timeout=TIMEOUT, stagger=0.05)
+            assert peer_host(sock) == "127.0.0.3"
+            check_returned(sock)
+            assert fd_count() == before + 1  # the loser's socket is closed
+            sock.close()
+
+    run(scenario)
+
+
+def test_a_failure_starts_the_next_attempt_at_once(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((listening, "127.0.0.1"), (refusing, "::1")) as port:
+            started = time.monotonic()
+            sock = await dial([V6, V4], port, timeout=2 * LONG_STAGGER, stagger=LONG_STAGGER)
+            elapsed = time.monotonic() - started
+            with sock:
+                assert peer_host(sock) == "127.0.0.1"
+        assert elapsed < LONG_STAGGER / 3  # the refusal started 127.0.0.1 at once
+
+    run(scenario)
+
+
+def test_both_families_v6_blackholed_v4_wins(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((blackholed, "::1"), (listening, "127.0.0.1")) as port:
+            sock = await dial([V6, V4], port, timeout=TIMEOUT, stagger=0.05)
+            with sock:
+                assert sock.family == socket.AF_INET
+                assert peer_host(sock) == "127.0.0.1"
+
+    run(scenario)
+
+
+def test_both_families_v4_refused_v6_wins(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((listening, "::1"), (refusing, "127.0.0.1")) as port:
+            sock = await dial([V4, V6], port, timeout=TIMEOUT)
+            with sock:
+                assert sock.family == socket.AF_INET6
+                assert peer_host(sock) == "::1"
+
+    run(scenario)
+
+
+def test_every_attempt_refused_reports_refusal(run: Runner) -> None:
+    async def scenario() -> None:
+        with (
+            one_port((refusing, "127.0.0.1"), (refusing, "::1")) as port,
+            pytest.raises(DialError) as caught,
+        ):
+            await dial([V6, V4], port, timeout=TIMEOUT, stagger=0.01)
+        assert caught.value.reason is DialFailure.CONNECT_REFUSED
+
+    run(scenario)
+
+
+def test_overall_timeout(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((blackholed, "127.0.0.2"), (blackholed, "127.0.0.3")) as port:
+            before = fd_count()
+            started = time.monotonic()
+            addresses = [ip_address("127.0.0.2"), ip_address("127.0.0.3")]
+            with pytest.raises(DialError) as caught:
+                await dial(addresses, port, timeout=SHORT, stagger=0.05)
+            assert time.monotonic() - started >= SHORT * 0.9
+            assert fd_count() == before
+        assert caught.value.reason is DialFailure.CONNECT_TIMEOUT
+        assert str(caught.value) == (
+            f"no connection to 127.0.0.2, 127.0.0.3 port {port} within {SHORT:g} s"
+        )
+
+    run(scenario)
+
+
+def test_cancelled_dial_leaves_no_open_fds(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((blackholed, "127.0.0.2"), (blackholed, "::1")) as port:
+            before = fd_count()
+            task = asyncio.create_task(
+                dial([ip_address("127.0.0.2"), V6], port, timeout=TIMEOUT, stagger=0.01)
+            )
+            await asyncio.sleep(0.1)  # both attempts in flight
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert fd_count() == before
+
+    run(scenario)
+
+
+def test_never_calls_the_resolver(run: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_lookups(*args: object, **kwargs: object) -> None:
+        raise AssertionError("dial() must not resolve")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_lookups)
+    monkeypatch.setattr(socket, "gethostbyname", no_lookups)
+
+    async def scenario() -> None:
+        with listening("127.0.0.1") as port:
+            sock = await dial([V4], port, timeout=TIMEOUT)
+            sock.close()
+
+    run(scenario)
+
+
+# --- Inside a private network namespace -------------------------------------------------
+
+_NETNS_SCRIPT = """
+import asyncio, json, socket, subprocess, sys
+from ipaddress import ip_address
+from egressbox.dial import DialError, dial
+
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+# Packets to this TEST-NET-2 range loop back over lo and are dropped (no
+# forwarding): a real blackhole, and only inside this namespace.
+subprocess.run(["ip", "route", "add", "198.51.100.0/24", "dev", "lo"], check=True)
+
+async def attempt(addresses, port, timeout):
+    try:
+        sock = await dial([ip_address(a) for a in addresses], port, timeout=timeout, stagger=0.05)
+    except DialError as exc:
+        return exc.reason.value
+    with sock:
+        return "connected to " + sock.getpeername()[0]
+
+async def main():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    print(json.dumps({
+        "unrouted": await attempt(["192.0.2.1"], port, 2.0),
+        "unrouted_v6": await attempt(["2001:db8::1"], port, 2.0),
+        "blackhole": await attempt(["198.51.100.1"], port, 0.3),
+        "fallback": await attempt(["198.51.100.1", "127.0.0.1"], port, 2.0),
+    }))
+
+asyncio.run(main())
+"""
+
+
+def _unshare_command() -> list[str]:
+    base = ["unshare", "--net"]
+    if os.geteuid() != 0:
+        base.append("--map-root-user")
+    return [*base, sys.executable, "-c", _NETNS_SCRIPT]
+
+
+@pytest.mark.skipif(
+    shutil.which("unshare") is None or shutil.which("ip") is None,
+    reason="needs unshare(1) and ip(8)",
+)
+def test_unreachable_and_blackholed_inside_a_network_namespace() -> None:
+    command = _unshare_command()
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0 and "unshare failed" in done.stderr:
+        pytest.skip(f"no network namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "unrouted": "network_unreachable",
+        "unrouted_v6": "network_unreachable",
+        "blackhole": "connect_timeout",
+        "fallback": "connected to 127.0.0.1",
+    }
