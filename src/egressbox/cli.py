@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from egressbox import __version__
+from egressbox import __version__, audit_cli
 from egressbox.decide import Decision
 from egressbox.errors import EgressboxError, HostError, PolicyError
 from egressbox.hosts import canonical_ip_text, split_authority
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_explain(sub)
     _add_doctor(sub)
+    audit_cli.add_parser(sub)
     return parser
 
 
@@ -79,6 +80,21 @@ def _add_serve(sub: Subparsers) -> None:
         "--audit-log",
         metavar="FILE",
         help="append audit records (JSON Lines) to FILE; '-' writes them to stdout",
+    )
+    p.add_argument(
+        "--audit-max-bytes",
+        type=int,
+        metavar="N",
+        help="rotate the audit log before it grows past N bytes (FILE -> FILE.1 ...)",
+    )
+    p.add_argument(
+        "--audit-keep", type=int, default=5, metavar="N", help="rotated logs to keep (default 5)"
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="report mode: let names outside the allow list through, audited as would_deny "
+        "(private/special addresses, deny entries and bad hosts stay refused)",
     )
     p.add_argument("--quiet", "-q", action="store_true", help="no per-connection line on stderr")
     _add_nameserver(p)
@@ -149,6 +165,11 @@ def _add_run(sub: Subparsers) -> None:
     )
     p.add_argument("--audit-log", metavar="FILE", help="append audit records to FILE")
     p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="report mode: names outside the allow list pass, audited as would_deny",
+    )
+    p.add_argument(
         "--report",
         action="store_true",
         help="print what each confinement mechanism enforced, on stderr",
@@ -217,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check": cmd_check,
         "explain": cmd_explain,
         "doctor": cmd_doctor,
+        "audit": audit_cli.run,
     }
     try:
         return handlers[args.command](args)
@@ -373,6 +395,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         audit_log=args.audit_log,
         quiet=args.quiet,
         nameservers=tuple(args.nameserver),
+        audit_max_bytes=args.audit_max_bytes,
+        audit_keep=args.audit_keep,
+        report_only=args.report_only,
     )
     return serve(options)
 

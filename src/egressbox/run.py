@@ -702,6 +702,12 @@ def _cli_options(args: Any, argv: list[str]) -> RunOptions | None:
 
     try:
         policy = load_cli_policy(args.policy)
+        if policy is not None and args.report_only:
+            from egressbox.policy import Mode
+            from egressbox.suggest import with_mode
+
+            policy = with_mode(policy, Mode.REPORT)
+            write_err("warning: report mode lets names outside the allow list through")
         grants = dict(parse_grant(text) for text in args.grant)
         servers = tuple(parse_nameserver(text) for text in args.nameserver)
     except (PolicyError, ValueError) as exc:

@@ -24,6 +24,7 @@ from egressbox.errors import AuditError, PolicyError
 from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
 from egressbox.resolve import parse_nameserver
 from egressbox.server import EgressProxy, stderr_log
+from egressbox.suggest import with_mode
 
 # Largest TCP port number.
 MAX_PORT = 65535
@@ -38,6 +39,9 @@ class ServeOptions:
     audit_log: str | None = None
     quiet: bool = False
     nameservers: tuple[str, ...] = ()
+    audit_max_bytes: int | None = None
+    audit_keep: int = 5
+    report_only: bool = False
 
 
 def raise_nofile_limit() -> int:
@@ -75,12 +79,14 @@ def serve(options: ServeOptions) -> int:
     if usage:
         print(f"egressbox: {usage}", file=sys.stderr)
         return EXIT_USAGE
+    if options.report_only:
+        policy = with_mode(policy, Mode.REPORT)
     if policy.mode is Mode.REPORT:
         stderr_log(f"warning: {REPORT_MODE_WARNING}")
     raise_nofile_limit()
     try:
-        audit = open_audit(options.audit_log)
-    except AuditError as exc:
+        audit = open_audit(options)
+    except (AuditError, ValueError) as exc:
         print(f"egressbox: --audit-log: {exc}", file=sys.stderr)
         return EXIT_START
     try:
@@ -102,12 +108,15 @@ def usage_problem(options: ServeOptions) -> str:
     return ""
 
 
-def open_audit(path: str | None) -> AuditSink | None:
+def open_audit(options: ServeOptions) -> AuditSink | None:
+    path = options.audit_log
     if path is None:
         return None
     if path == "-":
+        if options.audit_max_bytes is not None:
+            raise ValueError("--audit-max-bytes needs a file, not stdout")
         return StreamSink(sys.stdout.fileno())
-    return JsonlFileSink(path)
+    return JsonlFileSink(path, max_bytes=options.audit_max_bytes, keep=options.audit_keep)
 
 
 async def _serve(
@@ -137,7 +146,7 @@ async def _serve(
     # Signal handlers before the ready line: a supervisor may send SIGHUP or
     # SIGTERM as soon as it reads the line, and SIGHUP's default action kills.
     stop = asyncio.Event()
-    _install_signals(proxy, options.policy_path, stop)
+    _install_signals(proxy, options, stop, audit)
     # The ready line: one JSON object, then nothing else on stdout (records
     # go there only with --audit-log -).
     os.write(sys.stdout.fileno(), (json.dumps(proxy.ready_line()) + "\n").encode())
@@ -146,20 +155,36 @@ async def _serve(
     return EXIT_OK
 
 
-def _install_signals(proxy: EgressProxy, path: str, stop: asyncio.Event) -> None:
+def _install_signals(
+    proxy: EgressProxy, options: ServeOptions, stop: asyncio.Event, audit: AuditSink | None
+) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: reload_policy(proxy, path))
+    loop.add_signal_handler(
+        signal.SIGHUP, lambda: reload_policy(proxy, options.policy_path, options.report_only)
+    )
+    if isinstance(audit, JsonlFileSink):
+        # SIGUSR1: reopen the audit log after an external logrotate moved it.
+        loop.add_signal_handler(signal.SIGUSR1, lambda: _reopen(audit))
 
 
-def reload_policy(proxy: EgressProxy, path: str) -> bool:
+def _reopen(audit: JsonlFileSink) -> None:
+    try:
+        audit.reopen()
+    except AuditError as exc:
+        stderr_log(f"audit log reopen failed, still writing the old file: {exc}")
+
+
+def reload_policy(proxy: EgressProxy, path: str, report_only: bool = False) -> bool:
     """SIGHUP: load the file anew; a bad file keeps the old policy and says why."""
     try:
         policy = load_policy(path)
     except PolicyError as exc:
         stderr_log(f"reload refused, keeping the old policy: {exc}")
         return False
+    if report_only:
+        policy = with_mode(policy, Mode.REPORT)
     proxy.set_policy(policy)
     stderr_log(f"policy reloaded from {path}")
     return True

@@ -195,14 +195,18 @@ class Connection(asyncio.Protocol):
             upstream.close()
             self.transport.abort()
             return
-        self.state.connections.discard(self)
-        tunnel = await open_tunnel(
-            client,
-            upstream,
-            idle_timeout=self.state.limits.idle_timeout,
-            initial_to_upstream=to_upstream,
-            initial_to_client=to_client,
-        )
+        try:
+            tunnel = await open_tunnel(
+                client,
+                upstream,
+                idle_timeout=self.state.limits.idle_timeout,
+                initial_to_upstream=to_upstream,
+                initial_to_client=to_client,
+            )
+        finally:
+            # Counted as a connection until it is a tracked tunnel, so a drain
+            # starting meanwhile still sees (and waits for) it.
+            self.state.connections.discard(self)
         self.state.tunnels.add(tunnel)
         label = f"{self.protocol_name} {format_authority(decision.host, decision.port)}"
         verdict = f"{decision.verdict.value} {decision.reason.value}"

@@ -1,0 +1,360 @@
+"""Tests for egressbox.suggest: with_mode, and policies suggested from audit records.
+
+Every suggested text is loaded back with the real policy parser (and `egressbox check`),
+and the decisions of the loaded policy are checked against what was observed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from egressbox.audit import AuditProtocol, AuditRecord, summarize
+from egressbox.cli import main as cli_main
+from egressbox.decide import NamePass, decide_name, parse_target
+from egressbox.errors import Reason, Verdict
+from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy, parse_policy
+from egressbox.rules import RuleKind
+from egressbox.suggest import (
+    METADATA_DENY_CIDRS,
+    MIN_SIBLINGS,
+    plan_suggestion,
+    suggest_policy,
+    with_mode,
+)
+
+T0 = datetime(2026, 11, 30, 11, 0, tzinfo=UTC)
+
+ALLOWED = (Verdict.ALLOW, Reason.ALLOWED)
+WOULD = (Verdict.WOULD_DENY, Reason.NO_ALLOW_RULE)
+NO_RULE = (Verdict.DENY, Reason.NO_ALLOW_RULE)
+
+
+def rec(
+    host: str, port: int, outcome: tuple[Verdict, Reason] = WOULD, seconds: int = 0
+) -> AuditRecord:
+    verdict, reason = outcome
+    ts = T0 + timedelta(seconds=seconds)
+    return AuditRecord(ts, AuditProtocol.CONNECT, host, port, verdict, reason)
+
+
+def denied(host: str, port: int, reason: Reason) -> AuditRecord:
+    return rec(host, port, (Verdict.DENY, reason))
+
+
+def suggest(records: Iterable[AuditRecord], **kwargs: object) -> str:
+    return suggest_policy(summarize(records), **kwargs)  # type: ignore[arg-type]
+
+
+def load(text: str) -> Policy:
+    return parse_policy(tomllib.loads(text), env={})
+
+
+def allow_texts(text: str) -> list[str]:
+    return [rule.text for rule in load(text).allow.rules]
+
+
+def admits(policy: Policy, host: str, port: int) -> bool:
+    return isinstance(decide_name(policy, parse_target(host, port)), NamePass)
+
+
+# --------------------------------------------------------------------------- with_mode
+
+
+def test_with_mode_switches_to_report_and_leaves_the_original_alone() -> None:
+    policy = parse_policy(
+        {"egress": {"allow": ["a.test:443"], "allow_cidrs": ["10.0.0.0/8"]}}, env={}
+    )
+    report = with_mode(policy, Mode.REPORT)
+    assert (policy.mode, report.mode) == (Mode.ENFORCE, Mode.REPORT)
+    assert REPORT_MODE_WARNING in report.warnings
+    assert REPORT_MODE_WARNING not in policy.warnings
+    # Name rules relaxed in the copy only.
+    target = parse_target("other.test", 443)
+    assert isinstance(decide_name(report, target), NamePass)
+    assert not isinstance(decide_name(policy, target), NamePass)
+    assert report.allow is policy.allow and report.source == policy.source
+
+
+def test_with_mode_rebuilds_the_cidr_indexes_instead_of_sharing_them() -> None:
+    policy = parse_policy(
+        {"egress": {"allow_cidrs": ["10.0.0.0/8"], "deny_cidrs": ["192.0.2.0/24"]}}, env={}
+    )
+    ip = ipaddress.ip_address("10.1.2.3")
+    report = with_mode(policy, Mode.REPORT)
+    assert report._allow_cidr_index is not policy._allow_cidr_index
+    assert report.allow_cidr_for(ip) == ipaddress.ip_network("10.0.0.0/8")
+    assert report.deny_cidr_for(ipaddress.ip_address("192.0.2.9")) is not None
+    # The original's index was not filled a second time.
+    assert policy._allow_cidr_index.lookup_all(ip) == [[ipaddress.ip_network("10.0.0.0/8")]]
+
+
+def test_with_mode_back_to_enforce_drops_the_report_warning() -> None:
+    report = parse_policy({"egress": {"allow": ["a.test"], "mode": "report"}}, env={})
+    enforced = with_mode(report, Mode.ENFORCE)
+    assert enforced.mode is Mode.ENFORCE
+    assert REPORT_MODE_WARNING not in enforced.warnings
+    assert (
+        with_mode(with_mode(report, Mode.REPORT), Mode.REPORT).warnings.count(REPORT_MODE_WARNING)
+        == 1
+    )
+
+
+# --------------------------------------------------------------------------- what is admitted
+
+
+def test_exact_names_with_their_ports_from_every_admitting_outcome() -> None:
+    text = suggest(
+        [
+            rec("pypi.org", 443, ALLOWED),
+            rec("files.pythonhosted.org", 443, WOULD),
+            rec("github.com", 22, NO_RULE),
+            rec("github.com", 443, WOULD),
+        ]
+    )
+    assert sorted(allow_texts(text)) == [
+        "files.pythonhosted.org:443",
+        "github.com:22",
+        "github.com:443",
+        "pypi.org:443",
+    ]
+    policy = load(text)
+    assert policy.mode is Mode.ENFORCE
+    assert admits(policy, "github.com", 22)
+    assert not admits(policy, "github.com", 80)
+    assert not admits(policy, "www.pypi.org", 443)
+
+
+def test_ip_literals_become_single_address_entries() -> None:
+    text = suggest([rec("93.184.216.34", 80), rec("2606:4700::1111", 443, ALLOWED)])
+    assert sorted(allow_texts(text)) == ["93.184.216.34:80", "[2606:4700::1111]:443"]
+    kinds = {rule.kind for rule in load(text).allow.rules}
+    assert kinds == {RuleKind.IP}
+
+
+def test_three_siblings_collapse_to_a_wildcard_two_do_not() -> None:
+    names = [f"shard{i}.cdn.example.com" for i in range(MIN_SIBLINGS)]
+    text = suggest(
+        [rec(name, 443) for name in names] + [rec("a.two.test", 443), rec("b.two.test", 443)]
+    )
+    assert sorted(allow_texts(text)) == [
+        "*.cdn.example.com:443",
+        "a.two.test:443",
+        "b.two.test:443",
+    ]
+    assert "stands for 3 names seen: shard0.cdn.example.com" in text
+    policy = load(text)
+    assert admits(policy, "shard9.cdn.example.com", 443)
+    assert not admits(policy, "cdn.example.com", 443)  # *.x never matches the apex
+    assert not admits(policy, "shard0.cdn.example.com", 80)
+
+
+def test_siblings_on_different_ports_are_not_grouped() -> None:
+    text = suggest([rec("a.x.test", 443), rec("b.x.test", 443), rec("c.x.test", 8443)])
+    assert sorted(allow_texts(text)) == ["a.x.test:443", "b.x.test:443", "c.x.test:8443"]
+
+
+def test_never_a_one_label_or_public_suffix_wildcard() -> None:
+    records = [rec(f"site{i}.com", 443) for i in range(5)]
+    records += [rec(f"shop{i}.co.uk", 443) for i in range(5)]
+    text = suggest(records)
+    rules = load(text).allow.rules
+    assert all(rule.kind is RuleKind.NAME for rule in rules)
+    assert len(rules) == 10
+
+
+def test_deeper_names_fold_into_the_outermost_wildcard() -> None:
+    records = [rec(f"{x}.cdn.example.com", 443) for x in ("a", "b", "c")]
+    records += [rec(f"{x}.eu.cdn.example.com", 443) for x in ("a", "b", "c")]
+    records += [rec("cdn.example.com", 443)]
+    text = suggest(records)
+    assert allow_texts(text) == ["cdn.example.com:443", "*.cdn.example.com:443"]
+    assert "stands for 6 names" in text
+    assert '"*.cdn.example.com:443",  # 6 connections' in text
+
+
+def test_lines_carry_connection_counts_and_order_groups_related_names() -> None:
+    records = [rec("b.example.com", 443)] * 3 + [rec("example.com", 443), rec("a.example.org", 80)]
+    text = suggest(records)
+    assert '"b.example.com:443",  # 3 connections' in text
+    assert '"example.com:443",  # 1 connection' in text
+    assert allow_texts(text) == ["example.com:443", "b.example.com:443", "a.example.org:80"]
+
+
+# --------------------------------------------------------------------------- never silently
+
+
+@pytest.mark.parametrize(
+    ("reason", "phrase"),
+    [
+        (Reason.PRIVATE_ADDRESS, "private address"),
+        (Reason.SPECIAL_ADDRESS, "special-purpose address"),
+        (Reason.DENY_CIDR, "egress.deny_cidrs"),
+        (Reason.SELF_CONNECTION, "own listener"),
+    ],
+)
+def test_refused_addresses_appear_commented_out_with_a_warning(reason: Reason, phrase: str) -> None:
+    text = suggest([denied("db.corp.test", 5432, reason), rec("pypi.org", 443)])
+    assert allow_texts(text) == ["pypi.org:443"]
+    lines = text.splitlines()
+    entry = lines.index('    # "db.corp.test:5432",')
+    warning = next(i for i, line in enumerate(lines) if "# WARNING: db.corp.test:5432" in line)
+    assert warning < entry
+    block = " ".join(line.strip("# ") for line in lines[warning:entry])
+    assert reason.value in block and phrase in block
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5", "127.0.0.1", "192.0.2.7", "::ffff:10.0.0.1"])
+def test_private_or_special_ip_literals_seen_allowed_are_still_withheld(address: str) -> None:
+    # Report mode under an allow_cidrs grant lets these through; the suggestion must not.
+    text = suggest([rec(address, 8080), rec(address, 8081, ALLOWED)])
+    assert allow_texts(text) == []
+    assert "# WARNING:" in text
+    plan = plan_suggestion(summarize([rec(address, 8080)]))
+    assert next(w.reason for w in plan.withheld) in (
+        Reason.PRIVATE_ADDRESS,
+        Reason.SPECIAL_ADDRESS,
+    )
+
+
+def test_private_ip_literal_admitted_when_the_base_policy_grants_it() -> None:
+    base = parse_policy({"egress": {"allow_cidrs": ["10.0.0.0/24"]}}, env={}, source="base.toml")
+    text = suggest([rec("10.0.0.5", 5432), rec("10.0.1.5", 5432)], base=base)
+    assert allow_texts(text) == ["10.0.0.5:5432"]
+    assert '# "10.0.1.5:5432",' in text
+    assert load(text).allow_cidrs == (ipaddress.ip_network("10.0.0.0/24"),)
+
+
+def test_a_name_both_admitted_and_refused_gets_a_note_not_a_second_entry() -> None:
+    text = suggest([rec("api.test", 443, ALLOWED), denied("api.test", 443, Reason.PRIVATE_ADDRESS)])
+    assert allow_texts(text) == ["api.test:443"]
+    assert "# NOTE: api.test:443 was also refused 1 time for private_address" in text
+    assert '# "api.test:443"' not in text
+
+
+def test_other_refusals_are_listed_but_not_admitted() -> None:
+    text = suggest(
+        [
+            denied("nx.test", 443, Reason.DNS_FAILURE),
+            denied("evil.test", 443, Reason.DENY_RULE),
+            denied("evil.test", 443, Reason.DENY_RULE),
+            denied("(invalid)", 0, Reason.BAD_HOST),
+        ]
+    )
+    assert allow_texts(text) == []
+    assert "#   nx.test:443: dns_failure x1" in text
+    assert "#   evil.test:443: deny_rule x2" in text
+    assert "'(invalid)' port 0: not a host:port: bad_host x1" in text
+
+
+@pytest.mark.parametrize("host", ["*", "*.example.com", "a b"])
+def test_crafted_hosts_never_become_wildcards(host: str) -> None:
+    # The reader accepts these hosts (no forbidden character); an entry must not follow.
+    try:
+        record = rec(host, 443, ALLOWED)
+    except ValueError:
+        return
+    text = suggest([record])
+    assert allow_texts(text) == []
+
+
+# --------------------------------------------------------------------------- the file
+
+
+def test_header_names_sources_and_time_range_safely() -> None:
+    records = [rec("a.test", 443, seconds=0), rec("b.test", 443, seconds=90)]
+    text = suggest(records, sources=["logs/audit.jsonl.1", "evil\nname"])
+    assert "# Sources: logs/audit.jsonl.1, evil\\nname" in text
+    assert "# Records: 2, 2026-11-30T11:00:00.000Z .. 2026-11-30T11:01:30.000Z (UTC)" in text
+    load(text)  # the newline in a source name did not break out of the comment
+
+
+def test_metadata_deny_cidrs_are_always_kept() -> None:
+    policy = load(suggest([rec("a.test", 443)]))
+    assert tuple(str(net) for net in policy.deny_cidrs) == METADATA_DENY_CIDRS
+    assert policy.allow_cidrs == () and policy.deny.rules == ()
+
+
+def test_base_policy_keeps_deny_rules_and_cidrs() -> None:
+    base = parse_policy(
+        {
+            "egress": {
+                "allow": ["ignored.test"],
+                "deny": ["*.internal.test", "[2001:db8::/32]:443"],
+                "allow_cidrs": ["127.0.0.0/8", {"cidr": "10.0.0.0/7", "broad": True}],
+                "deny_cidrs": ["192.0.2.0/24", "169.254.169.254/32"],
+                "allow_private": True,
+                "mode": "report",
+            }
+        },
+        env={},
+        source="report.toml",
+    )
+    text = suggest([rec("a.test", 443)], base=base)
+    policy = load(text)
+    assert [rule.text for rule in policy.deny.rules] == ["*.internal.test", "[2001:db8::/32]:443"]
+    assert [str(net) for net in policy.allow_cidrs] == ["127.0.0.0/8", "10.0.0.0/7"]
+    assert [str(net) for net in policy.deny_cidrs] == [*METADATA_DENY_CIDRS, "192.0.2.0/24"]
+    assert policy.allow_private and policy.mode is Mode.ENFORCE
+    assert allow_texts(text) == ["a.test:443"]
+    assert "kept from report.toml" in text
+
+
+def test_no_records_gives_a_valid_deny_everything_policy() -> None:
+    text = suggest([])
+    assert "# Records: 0, no records" in text
+    assert load(text).allow.rules == ()
+
+
+def test_egressbox_check_accepts_the_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = [rec(f"n{i}.pool.example.net", 443) for i in range(4)]
+    records += [
+        rec("pypi.org", 443, ALLOWED),
+        rec("10.9.9.9", 22),
+        denied("m.test", 80, Reason.DENY_CIDR),
+    ]
+    path = tmp_path / "suggested.toml"
+    path.write_text(suggest(records, sources=["audit.jsonl"]))
+    assert cli_main(["check", str(path)]) == 0
+    assert f"{path}: ok (2 allow, 0 deny, 0 allow_cidrs, 2 deny_cidrs; mode enforce)" in (
+        capsys.readouterr().out
+    )
+    assert load_policy(str(path), env={}).mode is Mode.ENFORCE
+
+
+# --------------------------------------------------------------------------- properties
+
+_label = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789", min_size=1, max_size=6)
+_tld = st.text(alphabet="abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=3)
+# A name whose last label is numeric reads as an IP address and is refused as bad_host.
+_name = st.tuples(st.lists(_label, max_size=3), _tld).map(lambda p: ".".join([*p[0], p[1]]))
+_port = st.sampled_from([22, 80, 443, 8443])
+_observed = st.lists(st.tuples(_name, _port), min_size=0, max_size=25)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_observed)
+def test_suggestion_parses_and_admits_every_observed_destination(
+    observed: list[tuple[str, int]],
+) -> None:
+    text = suggest(rec(host, port) for host, port in observed)
+    policy = load(text)
+    for host, port in observed:
+        assert admits(policy, host, port), (host, port, text)
+    for rule in policy.allow.rules:
+        assert not rule.is_too_broad()
+        assert rule.port is not None
+        if rule.kind is RuleKind.WILDCARD:
+            assert "." in rule.value
+    # An unseen port is never admitted for a seen name.
+    for host, _ in observed:
+        assert not admits(policy, host, 9)
