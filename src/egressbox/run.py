@@ -114,6 +114,7 @@ class RunResult:
     refusal: RefusalRecord | None = None
     stdout: bytes | None = None
     stderr: bytes | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -432,7 +433,7 @@ async def supervise(
         outputs = [await r for r in readers]
     finally:
         await proxy.close(0)
-    result = RunResult(code, list(proxy.records), prepared.report)
+    result = RunResult(code, list(proxy.records), prepared.report, warnings=prepared.warnings)
     result.stdout, result.stderr = outputs
     if code != 0:
         result.refusal = classify_refusal(result.records, code)
@@ -540,6 +541,12 @@ def options_for(
     )
 
 
+def _warn(prepared: Prepared) -> None:
+    """A best-effort profile running with less than it wants says so, once, before the command."""
+    for text in prepared.warnings:
+        write_err(f"warning: {text}")
+
+
 def run_options_sync(
     options: RunOptions,
     *,
@@ -550,6 +557,7 @@ def run_options_sync(
 ) -> RunResult:
     """Plan, fork the launcher, serve until the command exits (blocking)."""
     prepared = prepare(options, facts or host_facts())
+    _warn(prepared)
     launched = spawn(prepared, capture_output=capture_output)
     from egressbox.serve import run_loop
 
@@ -573,6 +581,7 @@ async def run_options(
 ) -> RunResult:
     """The async twin of run_options_sync (forks from the running loop's thread)."""
     prepared = prepare(options, facts or host_facts())
+    _warn(prepared)
     launched = spawn(prepared, capture_output=capture_output)
     return await supervise(launched, options, prepared, audit=audit, log=log)
 
@@ -647,6 +656,7 @@ async def spawn_confined(
 
     options = options_for(cmd, policy=policy, **kwargs)
     prepared = prepare(options, host_facts())
+    _warn(prepared)
     launched = spawn(prepared, capture_output=capture_output)
     task = asyncio.get_running_loop().create_task(
         supervise(launched, options, prepared, audit=audit)

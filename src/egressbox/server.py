@@ -100,6 +100,7 @@ class Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.started = time.monotonic()
         self.over_limit = False
+        self.handing_off = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport: cast, don't check.
@@ -111,7 +112,11 @@ class Connection(asyncio.Protocol):
         self.timer = loop.call_later(self.state.limits.head_timeout, self.head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.state.connections.discard(self)
+        # A connection being handed to the relay loses its transport on
+        # purpose (take_socket aborts it); it stays counted until the tunnel
+        # is tracked, so the limit and a drain never miss it.
+        if not self.handing_off:
+            self.state.connections.discard(self)
         self.cancel_timer()
 
     def cancel_timer(self) -> None:
@@ -188,10 +193,13 @@ class Connection(asyncio.Protocol):
         try:
             if self.transport.is_closing():
                 raise ValueError("the client connection is closed")
+            self.handing_off = True
             client = take_socket(self.transport)
         except (OSError, ValueError):
             # The client left (say, a reset) while the decision or the dial was
             # in flight: nothing to relay, and the upstream socket is ours to close.
+            self.handing_off = False
+            self.state.connections.discard(self)
             upstream.close()
             self.transport.abort()
             return

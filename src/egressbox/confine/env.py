@@ -11,6 +11,7 @@ limit); ssh and git over ssh need a ProxyCommand.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -100,7 +101,16 @@ class Scratch:
 PORT_TEMPLATES = ProxyEndpoints("127.0.0.1", "{http}", "127.0.0.1", "{socks}")
 
 
-def proxy_variables(proxy: ProxyEndpoints) -> dict[str, str]:
+SSH_COMMAND = "GIT_SSH_COMMAND"
+# What proxy_variables() itself sets for GIT_SSH_COMMAND (an outer run's value,
+# inherited by a nested run, is replaced rather than extended).
+_OWN_SSH_COMMAND = re.compile(r"ssh -o ProxyCommand='nc -X connect -x \S+ %h %p'")
+# A first word we may insert options after: ssh itself, by name or plain path.
+_SSH_WORD = re.compile(r"(?:[\w./+-]*/)?ssh")
+
+
+def proxy_variables(proxy: ProxyEndpoints, *, ssh_command: str | None = None) -> dict[str, str]:
+    """The proxy settings; `ssh_command` is the caller's GIT_SSH_COMMAND, if any, to extend."""
     http = proxy.http_url
     variables = {}
     for name in ("http_proxy", "https_proxy", "all_proxy", "ws_proxy", "wss_proxy"):
@@ -114,10 +124,28 @@ def proxy_variables(proxy: ProxyEndpoints) -> dict[str, str]:
         "NODE_USE_ENV_PROXY": "1",
         "npm_config_proxy": http,
         "npm_config_https_proxy": http,
-        "GIT_SSH_COMMAND": f"ssh -o ProxyCommand={shlex.quote(ssh_proxy)}",
+        SSH_COMMAND: _ssh_command(ssh_command, f"-o ProxyCommand={shlex.quote(ssh_proxy)}", proxy),
         "JAVA_TOOL_OPTIONS": _java_options(proxy),
     }
     return variables
+
+
+def _ssh_command(command: str | None, option: str, proxy: ProxyEndpoints) -> str:
+    """The caller's ssh command (an identity file, options) with our ProxyCommand first.
+
+    ssh keeps the first value it reads for an option, so ours goes right after
+    the program word and beats any ProxyCommand/ProxyJump later in the command
+    (which could not work from inside the network namespace anyway).
+    """
+    if command is None or not command.strip() or _OWN_SSH_COMMAND.fullmatch(command.strip()):
+        return f"ssh {option}"
+    if isinstance(proxy.http_port, str):
+        # The value is a str.format template ("{http}") until the launcher fills the port.
+        command = command.replace("{", "{{").replace("}", "}}")
+    program, sep, rest = command.strip().partition(" ")
+    if not _SSH_WORD.fullmatch(program):
+        return f"{command} {option}"  # a wrapper (env, sshpass...): options at the end
+    return f"{program} {option}{sep}{rest}"
 
 
 def _java_options(proxy: ProxyEndpoints) -> str:
@@ -153,7 +181,9 @@ def child_environment(
             env[name] = value
         elif name in base:
             env[name] = base[name]
-    env |= proxy_variables(proxy)
+    # A GIT_SSH_COMMAND of the caller (inherited or granted) keeps its options
+    # (an identity file...) and gains the ProxyCommand; it never replaces it.
+    env |= proxy_variables(proxy, ssh_command=env.get(SSH_COMMAND))
     env["EGRESSBOX_PROFILE"] = profile
     return env
 
