@@ -7,7 +7,6 @@ Exit codes (README "Exit codes"): 0 ok; 1 runtime error; 2 usage or bad policy;
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -328,6 +327,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     resolver = make_resolver(policy, servers)
     host, port = split_target(args.target)
+    import asyncio
+
     decision = asyncio.run(check(policy, resolver, host, port))
     print(_explain_json(decision) if args.json else _explain_text(decision))
     return EXIT_OK

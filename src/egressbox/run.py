@@ -132,13 +132,66 @@ class Prepared:
 
 
 def host_facts() -> HostFacts:
+    """What this host supports: probed once per boot, kernel and user, then cached."""
+    cached = _load_facts()
+    if cached is not None:
+        return cached
     from egressbox.confine.probe import probe_host
 
     support = probe_host()
     status = {m.name: m.status.value for m in support.mechanisms()}
     available = frozenset(name for name, value in status.items() if value == "available")
     abi = support.landlock.abi or 0
-    return HostFacts(available, status, abi, os.geteuid())
+    facts = HostFacts(available, status, abi, os.geteuid())
+    _store_facts(facts)
+    return facts
+
+
+def _facts_path() -> str | None:
+    # Keyed by boot, kernel and euid: any of them changes what is available.
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        return None
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    name = f"probe-{boot}-{os.uname().release}-{os.geteuid()}.json"
+    return os.path.join(cache, "egressbox", name)
+
+
+def _load_facts() -> HostFacts | None:
+    import json
+
+    path = _facts_path()
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return HostFacts(
+            frozenset(data["available"]), dict(data["status"]), int(data["abi"]), os.geteuid()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store_facts(facts: HostFacts) -> None:
+    import json
+
+    path = _facts_path()
+    if path is None:
+        return
+    data: dict[str, object] = {
+        "available": sorted(facts.available),
+        "status": dict(facts.status),
+        "abi": facts.landlock_abi,
+    }
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
 
 
 def effective_profile(requested: Profile, env: Mapping[str, str]) -> Profile:
@@ -172,6 +225,9 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         profile=profile.value,
     )
     templates = {name: env.pop(name) for name in proxy_variables(PORT_TEMPLATES)}
+    if options.allow_loopback and not {"NO_PROXY", "no_proxy"} & set(options.grants):
+        # The child's own servers on its private lo are reached directly.
+        env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
     home = base.get("HOME", os.path.expanduser("~"))
     fs = plan_filesystem(
         home=home,
@@ -547,6 +603,49 @@ def _warn(prepared: Prepared) -> None:
         write_err(f"warning: {text}")
 
 
+def _exit_before_first_connection(launched: Launched) -> int | None:
+    """Wait (without asyncio) until the child connects or exits.
+
+    A command that never connects then never pays for starting the proxy;
+    one that does waits in the listen backlog for a few milliseconds.
+    """
+    import select
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(launched.pid, signum)
+
+    from egressbox.confine.launcher import FORWARDED
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    pidfd = os.pidfd_open(launched.pid)
+    try:
+        while True:
+            try:
+                watched = [pidfd, *(sock.fileno() for sock in launched.listeners)]
+                ready, _, _ = select.select(watched, [], [])
+                break
+            except InterruptedError:
+                continue
+    finally:
+        os.close(pidfd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if any(sock.fileno() in ready for sock in launched.listeners):
+        return None
+    _, status = os.waitpid(launched.pid, 0)
+    for sock in launched.listeners:
+        sock.close()
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _result(code: int, records: list[AuditRecord], prepared: Prepared) -> RunResult:
+    result = RunResult(code, records, prepared.report)
+    if code != 0:
+        result.refusal = classify_refusal(records, code)
+    return result
+
+
 def run_options_sync(
     options: RunOptions,
     *,
@@ -559,6 +658,10 @@ def run_options_sync(
     prepared = prepare(options, facts or host_facts())
     _warn(prepared)
     launched = spawn(prepared, capture_output=capture_output)
+    if not capture_output:
+        early = _exit_before_first_connection(launched)
+        if early is not None:
+            return _result(early, [], prepared)
     from egressbox.serve import run_loop
 
     holder: list[RunResult] = []
@@ -708,7 +811,6 @@ def _cli_options(args: Any, argv: list[str]) -> RunOptions | None:
     from egressbox.cli import load_cli_policy
     from egressbox.confine.env import parse_grant
     from egressbox.errors import PolicyError
-    from egressbox.resolve import parse_nameserver
 
     try:
         policy = load_cli_policy(args.policy)
@@ -719,7 +821,7 @@ def _cli_options(args: Any, argv: list[str]) -> RunOptions | None:
             policy = with_mode(policy, Mode.REPORT)
             write_err("warning: report mode lets names outside the allow list through")
         grants = dict(parse_grant(text) for text in args.grant)
-        servers = tuple(parse_nameserver(text) for text in args.nameserver)
+        servers = _nameservers(args.nameserver)
     except (PolicyError, ValueError) as exc:
         write_err(str(exc))
         return None
@@ -737,13 +839,24 @@ def _cli_options(args: Any, argv: list[str]) -> RunOptions | None:
     )
 
 
+def _nameservers(texts: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    if not texts:
+        return ()
+    # Imported only when asked for: it loads dnspython (~45 ms).
+    from egressbox.resolve import parse_nameserver
+
+    return tuple(parse_nameserver(text) for text in texts)
+
+
+def _diagnostic(line: str) -> None:
+    write_err(line)
+
+
 def _run_reporting_errors(
     options: RunOptions, audit: AuditSink | None, *, quiet: bool
 ) -> RunResult | int:
-    from egressbox.server import stderr_log
-
     try:
-        return run_options_sync(options, audit=audit, log=None if quiet else stderr_log)
+        return run_options_sync(options, audit=audit, log=None if quiet else _diagnostic)
     except RunRefusedError as exc:
         for refusal in exc.refusals:
             write_err(refusal.message())

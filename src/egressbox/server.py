@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from egressbox.audit import AuditProtocol, AuditRecord, AuditSink
 from egressbox.decide import Decision, SelfEndpoints, bad_target, deny, parse_target
@@ -34,7 +34,9 @@ from egressbox.limits import Limits
 from egressbox.netinfo import local_addresses
 from egressbox.policy import Policy
 from egressbox.relay import RelayStats, Tunnel, open_tunnel, take_socket
-from egressbox.resolve import DnsResolver, Resolver
+
+if TYPE_CHECKING:
+    from egressbox.resolve import Resolution, Resolver
 
 Log = Callable[[str], None]
 RecordCallback = Callable[[AuditRecord], None]
@@ -433,7 +435,28 @@ def _chain(first: RecordCallback, second: RecordCallback | None) -> RecordCallba
     return both
 
 
-def default_resolver(policy: Policy | None) -> DnsResolver:
+def default_resolver(policy: Policy | None) -> Resolver:
+    """The resolver a policy's [dns] table describes, built on first use."""
+    return LazyResolver(policy)
+
+
+class LazyResolver:
+    """Builds the DnsResolver on the first query: importing dnspython costs
+    ~30 ms, which `egressbox run -- CMD` would otherwise pay on every start."""
+
+    def __init__(self, policy: Policy | None) -> None:
+        self._policy = policy
+        self._resolver: Resolver | None = None
+
+    async def resolve(self, host: str) -> Resolution:
+        if self._resolver is None:
+            self._resolver = _dns_resolver(self._policy)
+        return await self._resolver.resolve(host)
+
+
+def _dns_resolver(policy: Policy | None) -> Resolver:
+    from egressbox.resolve import DnsResolver
+
     if policy is None:
         return DnsResolver()
     dns = policy.dns

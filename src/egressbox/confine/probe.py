@@ -233,7 +233,10 @@ def _probe_seccomp() -> Mechanism:
         status = Availability.ABSENT_ON_HOST if err == errno.EINVAL else Availability.CANNOT_ATTACH
         return Mechanism("seccomp", status, f"{reason}; the kernel has no seccomp")
     try:
-        import pyseccomp
+        from egressbox.confine.seccomp import _known_sonames
+
+        with _known_sonames():
+            import pyseccomp
     except (ImportError, OSError, RuntimeError) as exc:
         reason = f"pyseccomp/libseccomp not usable: {exc}"
         return Mechanism("seccomp", Availability.ABSENT_ON_HOST, reason)

@@ -556,12 +556,43 @@ class SyscallFilter(Protocol):
     def load(self) -> None: ...
 
 
+# Libraries pyseccomp looks up with ctypes.util.find_library, by their
+# stable sonames: find_library runs `ldconfig -p` (twice, ~20 ms each) and
+# needs a temp dir, which the launcher may not have.
+_SONAMES = {"c": "libc.so.6", "seccomp": "libseccomp.so.2"}
+
+
+@contextlib.contextmanager
+def _known_sonames() -> Iterator[None]:
+    import ctypes
+    import ctypes.util
+
+    original = ctypes.util.find_library
+
+    def find(name: str) -> str | None:
+        soname = _SONAMES.get(name)
+        if soname is not None:
+            try:
+                ctypes.CDLL(soname)
+            except OSError:
+                return original(name)
+            return soname
+        return original(name)
+
+    ctypes.util.find_library = find
+    try:
+        yield
+    finally:
+        ctypes.util.find_library = original
+
+
 class _Libseccomp:
     """pyseccomp, imported on demand (the import may spawn ldconfig: see the module docstring)."""
 
     def __init__(self) -> None:
         try:
-            import pyseccomp
+            with _known_sonames():
+                import pyseccomp
         except (ImportError, OSError, RuntimeError, AttributeError) as exc:
             # ImportError: not installed; RuntimeError/OSError: libseccomp missing or unloadable;
             # AttributeError: a libseccomp too old for pyseccomp's bindings.
