@@ -1,4 +1,4 @@
-"""Plain HTTP forwarding (absolute-form `http://` requests) on the HTTP listener.
+"""Plain HTTP forwarding (absolute-form `http://` and `ws://` requests) on the HTTP listener.
 
 Each request on a client connection is decided afresh (a kept-alive client
 may ask for another host next), gets its own upstream connection to the
@@ -9,14 +9,21 @@ exactly where it ends. Denials and 4xx replies carry `Connection: close`
 and end the connection, so an unread request body is never parsed as a
 request. The decision is made before anything is sent upstream, so an
 `Expect: 100-continue` client never sees a 100 for a refused destination.
+
+An upgrade request (a WebSocket: `GET ws://...` with `Upgrade: websocket`)
+that the upstream answers with 101 turns the connection into a raw byte
+relay to that same upstream until either side is done; it is never parsed
+as HTTP again, and its one audit record is the decision made for the GET.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from egressbox.decide import Decision
 from egressbox.dial import DialError
@@ -34,6 +41,15 @@ LINGER_SECONDS = 2.0
 
 class _DoneError(Exception):
     """The client connection ends here (a refusal was sent, or a side failed)."""
+
+
+class _Sent(NamedTuple):
+    """How a response went out: keep the client connection, its status, and
+    after a 101 the upstream's bytes that followed it (None: no upgrade)."""
+
+    keep_alive: bool
+    status: int
+    upgraded: bytes | None = None
 
 
 class Client:
@@ -154,7 +170,7 @@ async def _exchange(
     body = http1.RequestBodyReader(head.body)
     pump = asyncio.get_running_loop().create_task(_pump_body(client, body, up_writer))
     try:
-        keep_alive, sent = await _relay_response(conn, head, up_reader, client, (pump, body))
+        sent = await _relay_response(conn, head, up_reader, client, (pump, body))
     finally:
         if not pump.done():
             pump.cancel()
@@ -162,9 +178,14 @@ async def _exchange(
             await pump
     conn.state.diagnostic(
         f"http {decision.host}:{decision.port} {decision.verdict.value} "
-        f"{decision.reason.value} status={sent}"
+        f"{decision.reason.value} status={sent.status}"
     )
-    if not (keep_alive and body.done and head.keep_alive):
+    if sent.upgraded is not None:
+        # No body was read (an upgrade request has none): whatever the client
+        # sent after the head is already the new protocol's, still in `client`.
+        await _splice(client, upstream, sent.upgraded, conn.state.limits.idle_timeout)
+        raise _DoneError
+    if not (sent.keep_alive and body.done and head.keep_alive):
         raise _DoneError
     client.unread(body.trailing)
 
@@ -190,13 +211,14 @@ async def _relay_response(
     up_reader: asyncio.StreamReader,
     client: Client,
     request_body: tuple[asyncio.Task[None], http1.RequestBodyReader],
-) -> tuple[bool, int]:
-    """Upstream response -> client; returns (keep the client connection, status).
+) -> _Sent:
+    """Upstream response -> client: how it went out (see `_Sent`).
 
     The client connection ends after a 4xx, and after a response that came
     before the whole request body was read (DESIGN §3); such a head is sent
     with `Connection: close`, so the client never sends its next request into
-    a connection that is going away.
+    a connection that is going away. A 101 to an upgrade request is written
+    and returned at once, with the bytes the upstream sent after it.
     """
     pump, body = request_body
     framer = http1.ResponseFramer(head, conn.state.limits.max_head_bytes)
@@ -226,9 +248,12 @@ async def _relay_response(
                 if closing:
                     data = _closing_head(data)
             writer.write(data)
+            if isinstance(event, http1.Upgraded):
+                await writer.drain()
+                return _Sent(False, 101, framer.trailing)
             if isinstance(event, http1.EndOfMessage):
                 await writer.drain()
-                return event.keep_alive and not closing, status
+                return _Sent(event.keep_alive and not closing, status)
         await writer.drain()
         if not data:
             raise _DoneError
@@ -242,3 +267,79 @@ def _closing_head(head: bytes) -> bytes:
     """
     head = head.replace(b"\r\nConnection: keep-alive\r\n", b"\r\n")
     return head[:-2] + b"Connection: close\r\n\r\n"
+
+
+async def _splice(
+    client: Client,
+    upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    to_client: bytes,
+    idle_timeout: float,
+) -> None:
+    """Relay raw bytes both ways after a 101 until both sides are done.
+
+    Each direction passes its EOF on (half-close) once everything before it
+    went out; the relay ends when both have, when a side fails, or after
+    idle_timeout with no byte either way (as relay.py's tunnels). Bounded:
+    each direction holds one read plus the writer's high-water mark. The
+    callers close both connections afterwards; unless both sides finished,
+    the client's is aborted here, dropping what it still buffers.
+    """
+    up_reader, up_writer = upstream
+    loop = asyncio.get_running_loop()
+    last = loop.time()
+
+    def seen() -> None:
+        nonlocal last
+        last = loop.time()
+
+    up_read = functools.partial(up_reader.read, READ_SIZE)
+    flows = {
+        loop.create_task(_copy(client.read, up_writer, b"", seen)),
+        loop.create_task(_copy(up_read, client.writer, to_client, seen)),
+    }
+    finished = False
+    try:
+        pending = flows
+        while pending:
+            wait = max(last + idle_timeout - loop.time(), 0.0)
+            done, pending = await asyncio.wait(
+                pending, timeout=wait, return_when=asyncio.FIRST_EXCEPTION
+            )
+            if any(not task.cancelled() and task.exception() for task in done):
+                return  # a reset or error on one side ends both
+            if pending and loop.time() >= last + idle_timeout:
+                return  # idle both ways
+        finished = True
+    finally:
+        for task in flows:
+            task.cancel()
+        await asyncio.gather(*flows, return_exceptions=True)
+        if not finished:
+            # Drop what is still buffered for a client that may never read it
+            # (the upstream connection is aborted by the caller anyway).
+            client.writer.transport.abort()
+
+
+async def _copy(
+    read: Callable[[], Awaitable[bytes]],
+    writer: asyncio.StreamWriter,
+    first: bytes,
+    seen: Callable[[], None],
+) -> None:
+    """One direction: `first`, then every read, then the EOF once all went out."""
+    data = first
+    while True:
+        if data:
+            seen()
+            writer.write(data)
+            await writer.drain()
+        data = await read()
+        if not data:
+            break
+    # Flush completely before the EOF: the connection is aborted once both
+    # directions are done, which would drop anything still buffered.
+    writer.transport.set_write_buffer_limits(high=0)
+    await writer.drain()
+    if writer.can_write_eof():
+        with contextlib.suppress(OSError):  # the peer is gone: the other flow sees it
+            writer.write_eof()

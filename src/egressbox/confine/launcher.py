@@ -88,12 +88,45 @@ def launcher_main(plan: LaunchPlan, chan_fd: int) -> NoReturn:
     try:
         code = _launch(plan, chan)
     except LaunchError as exc:
-        _tell(chan, {"event": "refused", "message": str(exc)})
+        _refuse(chan, str(exc))
         code = EXIT_CANNOT_CONFINE
     except BaseException as exc:  # anything unexpected: never run unconfined
-        _tell(chan, {"event": "refused", "message": f"launcher failed: {exc!r}"})
+        _refuse(chan, f"launcher failed: {exc!r}")
         code = EXIT_CANNOT_CONFINE
     os._exit(code)
+
+
+@dataclass
+class _Progress:
+    listening_sent: bool = False
+
+
+# One launcher per process: where it got to decides how a failure is reported.
+_PROGRESS = _Progress()
+
+
+def _refuse(chan: socket.socket, message: str) -> None:
+    # Before the listeners are handed over the parent is reading the channel
+    # and reports the refusal; afterwards it only waits for our exit status.
+    if _PROGRESS.listening_sent:
+        with contextlib.suppress(OSError):
+            os.write(2, f"egressbox: cannot confine the command: {message}\n".encode())
+    else:
+        _tell(chan, {"event": "refused", "message": message})
+
+
+def _preload(plan: LaunchPlan) -> None:
+    """Import every module the later steps need while the filesystem is intact.
+
+    After the mount namespace hides /tmp (and Landlock narrows reads) our own
+    package may be out of sight, say in a checkout under /tmp.
+    """
+    import resource
+
+    from egressbox.confine import caps, landlock, landlock_apply, mounts, syscalls
+
+    del caps, landlock, landlock_apply, mounts, syscalls, resource
+    del plan
 
 
 def _tell(chan: socket.socket, message: dict[str, object], fds: tuple[int, ...] = ()) -> None:
@@ -102,9 +135,11 @@ def _tell(chan: socket.socket, message: dict[str, object], fds: tuple[int, ...] 
 
 
 def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
+    _preload(plan)
     prepared = _prepare_seccomp(plan)
     _unshare(plan)
     ports = _listeners(plan, chan)
+    _PROGRESS.listening_sent = True
     env = _fill_ports(plan, ports)
     if plan.has(Mechanism.PID_NAMESPACE):
         pid = os.fork()
@@ -244,7 +279,7 @@ def _command(
     try:
         _restrict(plan, ports, prepared)
         os.chdir(plan.cwd)
-    except (LaunchError, OSError) as exc:
+    except BaseException as exc:  # never exec (or fall back into the reaper) half-confined
         _fail(f"cannot confine the command: {exc}", EXIT_CANNOT_CONFINE)
     try:
         os.execve(plan.executable, list(plan.argv), env)

@@ -4,11 +4,13 @@ No I/O and no asyncio (DESIGN §10): the server feeds bytes and writes what
 comes back. Four machines and a few builders:
 
 - `RequestHeadParser`: a client's request head -> `RequestHead` (CONNECT or
-  absolute-form FORWARD), or `HttpError` with the status to answer.
+  absolute-form FORWARD of an http:// or ws:// URL), or `HttpError` with the
+  status to answer.
 - `RequestBodyReader`: the client's body after the head -> bytes for the
   upstream, the end of the body and the bytes beyond it (a pipelined request).
 - `ResponseFramer`: the upstream's response -> events whose `.data` is exactly
-  what to write to the client, ending in `EndOfMessage`.
+  what to write to the client, ending in `EndOfMessage`, or in `Upgraded`
+  when a 101 answers an upgrade request (then both sides relay raw bytes).
 - `forward_head`, `connect_established`, `error_reply`: bytes to send.
 
 Why our own strict parser instead of h11: a proxy sits between two parsers,
@@ -16,6 +18,11 @@ and every message that they could read differently (CL.TE, TE.TE, obs-fold,
 bare LF, duplicate Content-Length ...) is a request-smuggling hole. So
 anything ambiguous is refused, and what goes out is re-framed canonically
 (one Content-Length, or chunks we encode ourselves), never copied through.
+
+HTTP/1.1 Upgrade (RFC 9110 §7.8; a WebSocket is `GET ws://host/path` with
+`Upgrade: websocket`) is passed through only without a request body, so the
+first byte after the request head is the new protocol's, with nothing to
+disagree on; the response after a refused upgrade ends the connection.
 
 Messages in `HttpError` are fixed texts: they never echo request bytes, which
 could carry credentials or paths (DESIGN §6).
@@ -64,11 +71,17 @@ MAX_MESSAGE_CHARS = 200
 
 HTTP_10 = "HTTP/1.0"
 HTTP_11 = "HTTP/1.1"
-# Every http:// URL without a port means port 80 (RFC 9110 §4.2.1).
+# Every http:// URL without a port means port 80 (RFC 9110 §4.2.1), and so
+# does every ws:// URL (RFC 6455 §3).
 HTTP_DEFAULT_PORT = 80
+# Absolute-form schemes forwarded in plain text; the TLS ones need CONNECT.
+_PLAIN_SCHEMES = frozenset({"http", "ws"})
+_TLS_SCHEMES = frozenset({"https", "wss"})
 
 # tchar (RFC 9110 §5.6.2).
 _TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# protocol = protocol-name ["/" protocol-version], both tokens (RFC 9110 §7.8).
+_PROTOCOL_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+(?:/[!#$%&'*+\-.^_`|~0-9A-Za-z]+)?")
 # CTLs other than HTAB, which field values may hold (RFC 9110 §5.5).
 _CONTROL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _VERSION_RE = re.compile(rb"HTTP/[0-9]+(?:\.[0-9]+)?")
@@ -140,7 +153,7 @@ Fail = Callable[[str], HttpError]
 
 class RequestKind(enum.Enum):
     CONNECT = "connect"  # authority-form: open a tunnel
-    FORWARD = "forward"  # absolute-form http:// URL: forward one request
+    FORWARD = "forward"  # absolute-form http:// or ws:// URL: forward one request
 
 
 class FramingKind(enum.Enum):
@@ -185,6 +198,10 @@ class RequestHead:
     with surrounding whitespace removed, decoded as Latin-1 so that encoding
     them back gives the exact bytes. The target, path and headers are left out
     of repr(): they may carry credentials and must not reach a log.
+
+    `upgrade` lists the protocols of an upgrade request (an HTTP/1.1 FORWARD
+    with `Upgrade` and `Connection: upgrade`, and no body), as sent; it is
+    empty for every other request, whose Upgrade field is dropped.
     """
 
     method: str
@@ -198,6 +215,7 @@ class RequestHead:
     origin_target: str | None = field(repr=False)  # path+query; None for CONNECT
     headers: Fields = field(repr=False)
     connection_tokens: frozenset[str] = field(repr=False)
+    upgrade: tuple[str, ...] = ()
 
     @property
     def host(self) -> str:
@@ -499,12 +517,14 @@ def _interpret_target(method: str, target: str) -> tuple[RequestKind, Authority,
             " only CONNECT takes host:port"
         )
     name = scheme.group(1).lower()
-    if name == "https":
+    if name in _TLS_SCHEMES:
         raise _bad_request(
-            "for https:// URLs use CONNECT host:443 (a TLS tunnel through the proxy)"
+            "for https:// and wss:// URLs use CONNECT host:443 (a TLS tunnel through the proxy)"
         )
-    if name != "http":
-        raise _bad_request("only http:// URLs are forwarded; tunnel other protocols with CONNECT")
+    if name not in _PLAIN_SCHEMES:
+        raise _bad_request(
+            "only http:// and ws:// URLs are forwarded; tunnel other protocols with CONNECT"
+        )
     authority, origin_target = _absolute_form(method, target[scheme.end() :])
     return RequestKind.FORWARD, authority, origin_target
 
@@ -517,7 +537,7 @@ def _connect_authority(target: str) -> Authority:
 
 
 def _absolute_form(method: str, rest: str) -> tuple[Authority, str]:
-    """What follows `http://`: authority, then path and query (RFC 9112 §3.2.2)."""
+    """What follows `http://` or `ws://`: authority, path and query (RFC 9112 §3.2.2)."""
     if "#" in rest:
         raise _bad_request("a fragment (#) is not allowed in the request target")
     cut = next((i for i, c in enumerate(rest) if c in "/?"), len(rest))
@@ -558,6 +578,7 @@ def _build_head(line: _RequestLine, fields: Fields) -> RequestHead:
     body = _request_framing(line, fields)
     expect_continue = _expect_continue(line, _values(fields, "expect"))
     connection = _connection_tokens(fields, _bad_request)
+    upgrade = _upgrade(line, fields, connection, body)
     return RequestHead(
         method=line.method,
         version=line.version,
@@ -570,6 +591,7 @@ def _build_head(line: _RequestLine, fields: Fields) -> RequestHead:
         origin_target=line.origin_target,
         headers=fields,
         connection_tokens=connection,
+        upgrade=upgrade,
     )
 
 
@@ -645,6 +667,28 @@ def _expect_continue(line: _RequestLine, values: list[str]) -> bool:
     return bool(items) and line.version == HTTP_11
 
 
+def _upgrade(
+    line: _RequestLine, fields: Fields, connection: frozenset[str], body: BodyFraming
+) -> tuple[str, ...]:
+    """The protocols an upgrade request offers (RFC 9110 §7.8), or () for none."""
+    if line.kind is not RequestKind.FORWARD or "upgrade" not in connection:
+        # Without the `upgrade` option, Upgrade is a stray hop-by-hop field.
+        return ()
+    if line.version != HTTP_11:
+        # RFC 9110 §7.8: a server MUST ignore Upgrade in an HTTP/1.0 request.
+        return ()
+    protocols = tuple(_list_items(_values(fields, "upgrade")))
+    if not protocols:
+        return ()
+    if not all(_PROTOCOL_RE.fullmatch(p.encode("latin-1")) for p in protocols):
+        raise _bad_request("malformed Upgrade header")
+    if body not in (NO_BODY, _EMPTY_BODY):
+        # After a 101 the next byte belongs to the new protocol: with a body,
+        # we and the upstream could disagree on where it starts (smuggling).
+        raise _bad_request("an Upgrade request cannot carry a body")
+    return protocols
+
+
 def _keep_alive(version: str, connection: frozenset[str], fields: Fields) -> bool:
     # Old clients send Proxy-Connection; honoring its `close` is always safe.
     proxy_connection = {item.lower() for item in _list_items(_values(fields, "proxy-connection"))}
@@ -686,9 +730,11 @@ def forward_head(head: RequestHead) -> bytes:
     (credentials for us, never for the origin) are dropped; the others keep
     their order. Host stays as the client sent it (it was checked to name the
     target), or is added for an HTTP/1.0 client that sent none.
-    `Connection: close` is always sent: each client request gets an upstream
+    `Connection: close` is sent: each client request gets an upstream
     connection of its own, never pooled (DESIGN §3), so a later request can
-    never ride on a connection that was checked for another one.
+    never ride on a connection that was checked for another one. An upgrade
+    request sends its own `Upgrade` with `Connection: Upgrade` instead: after
+    a 101 the connection carries the new protocol, still to the checked target.
     """
     if head.kind is not RequestKind.FORWARD or head.origin_target is None:
         raise ValueError("forward_head is for absolute-form requests, not CONNECT")
@@ -697,7 +743,11 @@ def forward_head(head: RequestHead) -> bytes:
         fields.insert(0, ("Host", _host_value(head.authority)))
     if head.body.kind is FramingKind.CHUNKED:
         fields.append(("Transfer-Encoding", "chunked"))  # the body reader re-encodes
-    fields.append(("Connection", "close"))
+    if head.upgrade:
+        fields.append(("Upgrade", ", ".join(head.upgrade)))
+        fields.append(("Connection", "Upgrade"))
+    else:
+        fields.append(("Connection", "close"))
     return _serialize(f"{head.method} {head.origin_target} {HTTP_11}", fields)
 
 
@@ -965,7 +1015,21 @@ class EndOfMessage:
     keep_alive: bool
 
 
-ResponseEvent = InformationalResponse | ResponseHead | BodyData | EndOfMessage
+@dataclass(frozen=True, slots=True)
+class Upgraded:
+    """A 101 Switching Protocols answered the upgrade request; the framer is done.
+
+    `data` is the 101 head for the client, re-serialized with the upstream's
+    `Upgrade` and `Connection: Upgrade`. From here on both sides speak the new
+    protocol: relay raw bytes both ways, starting with `ResponseFramer.trailing`
+    to the client, and never parse that connection as HTTP again.
+    """
+
+    headers: Fields
+    data: bytes
+
+
+ResponseEvent = InformationalResponse | ResponseHead | BodyData | EndOfMessage | Upgraded
 
 
 class _UpstreamBody(enum.Enum):
@@ -979,6 +1043,7 @@ class _Phase(enum.Enum):
     HEAD = "head"
     BODY = "body"
     DONE = "done"
+    UPGRADED = "upgraded"  # after a 101: every byte is the new protocol's
 
 
 @dataclass(frozen=True, slots=True)
@@ -998,6 +1063,12 @@ class ResponseFramer:
     Bytes after the end of the response are dropped: the upstream connection
     serves one request only. `UpstreamResponseError` means 502 if no
     `ResponseHead` was written yet; after that, only closing is left.
+
+    To an upgrade request (`RequestHead.upgrade`), a 101 naming an offered
+    protocol ends in `Upgraded`; then `trailing` holds the bytes after the 101
+    head, and bytes fed later are appended to it. A 101 to any other request
+    is refused; any other final response is framed as usual and ends the
+    client connection (`keep_alive` is False).
     """
 
     def __init__(self, request: RequestHead, max_head_bytes: int = limits.MAX_HEAD_BYTES) -> None:
@@ -1016,11 +1087,20 @@ class ResponseFramer:
         self._remaining = 0
         self._chunk_to_client = False
         self._keep_alive = False
+        self._trailing = bytearray()
         self._error: HttpError | None = None
+
+    @property
+    def trailing(self) -> bytes:
+        """After `Upgraded`: the upstream's bytes after the 101 head (else empty)."""
+        return bytes(self._trailing)
 
     def feed(self, data: bytes) -> list[ResponseEvent]:
         if self._error is not None:
             raise self._error
+        if self._phase is _Phase.UPGRADED:
+            self._trailing += data
+            return []
         if self._phase is _Phase.DONE:
             return []
         self._lines.extend(data)
@@ -1030,7 +1110,7 @@ class ResponseFramer:
         """The upstream closed: ends a close-delimited body, else it was cut short."""
         if self._error is not None:
             raise self._error
-        if self._phase is _Phase.DONE:
+        if self._phase in (_Phase.DONE, _Phase.UPGRADED):
             return []
         return self._guarded(self._on_eof)
 
@@ -1077,13 +1157,42 @@ class ResponseFramer:
         self._status = None
         self._fields = []
         self._head_start = self._lines.consumed
+        if status.status == HTTPStatus.SWITCHING_PROTOCOLS:
+            return self._upgraded(status, fields)
         if status.status < 200:
             return self._informational_event(status, fields)
         return self._final_head(status, fields)
 
+    def _upgraded(self, status: _StatusLine, fields: Fields) -> Upgraded:
+        offered = {_protocol_name(p) for p in self._request.upgrade}
+        if not offered:
+            raise UpstreamResponseError("101 Switching Protocols to a request that asked for none")
+        if status.version != HTTP_11:
+            raise UpstreamResponseError("101 Switching Protocols in an HTTP/1.0 response")
+        # The framing fields are checked as on any response, then dropped:
+        # a 101 has no body (RFC 9110 §15.2), the new protocol follows at once.
+        _response_framing(self._request, status, fields)
+        protocols = _list_items(_values(fields, "upgrade"))
+        if not protocols:
+            raise UpstreamResponseError("101 Switching Protocols without an Upgrade header")
+        if not all(_PROTOCOL_RE.fullmatch(p.encode("latin-1")) for p in protocols):
+            raise UpstreamResponseError("malformed Upgrade header in a 101 response")
+        # RFC 9110 §7.8: a server MUST NOT switch to a protocol not offered.
+        if not {_protocol_name(p) for p in protocols} <= offered:
+            raise UpstreamResponseError(
+                "101 Switching Protocols to a protocol that was not offered"
+            )
+        kept = [
+            item
+            for item in _strip_for_next_hop(fields, _connection_tokens(fields, None))
+            if item[0].lower() != "content-length"
+        ]
+        kept.extend([("Upgrade", ", ".join(protocols)), ("Connection", "Upgrade")])
+        self._phase = _Phase.UPGRADED
+        self._trailing += self._lines.take()
+        return Upgraded(tuple(kept), _serialize(_status_text(status), kept))
+
     def _informational_event(self, status: _StatusLine, fields: Fields) -> InformationalResponse:
-        if status.status == HTTPStatus.SWITCHING_PROTOCOLS:
-            raise UpstreamResponseError("101 Switching Protocols, but Upgrade is never forwarded")
         self._informational += 1
         if self._informational > MAX_INFORMATIONAL_RESPONSES:
             raise UpstreamResponseError("too many 1xx responses")
@@ -1103,8 +1212,11 @@ class ResponseFramer:
         client_11 = self._request.version == HTTP_11
         unsized = self._body in (_UpstreamBody.CHUNKED, _UpstreamBody.CLOSE)
         self._chunk_to_client = unsized and client_11
-        # An HTTP/1.0 client learns where an unsized body ends only by the close.
-        self._keep_alive = self._request.keep_alive and (client_11 or not unsized)
+        # An HTTP/1.0 client learns where an unsized body ends only by the close,
+        # and a client that asked for an upgrade gets none: its connection ends.
+        self._keep_alive = (
+            self._request.keep_alive and not self._request.upgrade and (client_11 or not unsized)
+        )
         kept = [
             item
             for item in _strip_for_next_hop(fields, _connection_tokens(fields, None))
@@ -1157,6 +1269,11 @@ def _parse_status_line(line: bytes) -> _StatusLine:
         raise UpstreamResponseError("malformed status line from the upstream")
     version, status, reason = match.groups()
     return _StatusLine(version.decode("ascii"), int(status), (reason or b"").decode("latin-1"))
+
+
+def _protocol_name(protocol: str) -> str:
+    """The name part of `name/version`, lower-cased (names are case-insensitive)."""
+    return protocol.partition("/")[0].lower()
 
 
 def _status_text(status: _StatusLine) -> str:
