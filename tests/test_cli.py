@@ -195,6 +195,13 @@ def test_doctor_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["mechanisms"]) >= {"landlock", "seccomp", "network_namespace"}
+    profiles = data["profiles"]
+    assert list(profiles) == ["unrestricted", "workspace_paths", "worktree", "os_hardened"]
+    for row in profiles.values():
+        assert set(row) == {"enforced", "missing", "refuses"}
+    # os_hardened either enforces everything it wants or names what it refuses.
+    hardened = profiles["os_hardened"]
+    assert bool(hardened["missing"]) == bool(hardened["refuses"])
 
 
 def test_module_entry_point_and_help() -> None:

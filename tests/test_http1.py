@@ -49,6 +49,7 @@ from egressbox.protocols.http1 import (
     ResponseEvent,
     ResponseFramer,
     ResponseHead,
+    Upgraded,
     UpstreamResponseError,
     connect_established,
     error_reply,
@@ -133,6 +134,11 @@ def req(line: str, *fields: str, host: str | None = "example.com") -> bytes:
 
 
 GET = "GET http://example.com/ HTTP/1.1"
+POST = "POST http://example.com/ HTTP/1.1"
+WS_GET = "GET ws://example.com/chat HTTP/1.1"
+# What aiohttp and browsers send with a WebSocket request (RFC 6455 §4.1).
+WS_KEY = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="
+WS = ("Upgrade: websocket", "Connection: Upgrade", WS_KEY, "Sec-WebSocket-Version: 13")
 
 
 # -- request heads: accepted ----------------------------------------------------------------
@@ -146,6 +152,7 @@ class Want:
     body: BodyFraming = NO_BODY
     keep_alive: bool = True
     expect_continue: bool = False
+    upgrade: tuple[str, ...] = ()
 
 
 FORWARD = RequestKind.FORWARD
@@ -302,6 +309,68 @@ ACCEPTED: list[tuple[str, bytes, Want]] = [
         b"\r\n" * MAX_LEADING_EMPTY_LINES + req(GET),
         Want(FORWARD, EX80, "/"),
     ),
+    # ws:// and Upgrade (RFC 9110 §7.8, RFC 6455 §4.1)
+    ("ws:// WebSocket", req(WS_GET, *WS), Want(FORWARD, EX80, "/chat", upgrade=("websocket",))),
+    (
+        "ws:// with a port, query and any scheme case",
+        req("GET WS://example.com:8080/c?x=1 HTTP/1.1", *WS, host="example.com:8080"),
+        Want(FORWARD, Authority("example.com", 8080), "/c?x=1", upgrade=("websocket",)),
+    ),
+    (
+        "ws:// without a path",
+        req("GET ws://example.com HTTP/1.1", *WS),
+        Want(FORWARD, EX80, "/", upgrade=("websocket",)),
+    ),
+    (
+        "ws:// without Upgrade is an ordinary request",
+        req("POST ws://example.com/ HTTP/1.1", "Content-Length: 2"),
+        Want(FORWARD, EX80, "/", BodyFraming(FramingKind.LENGTH, 2)),
+    ),
+    (
+        "http:// upgrade",
+        req(GET, "Upgrade: websocket", "Connection: upgrade"),
+        Want(FORWARD, EX80, "/", upgrade=("websocket",)),
+    ),
+    (
+        "Upgrade lists over several fields, with versions",
+        req(GET, "Upgrade: h2c, ,TLS/1.2", "Connection: keep-alive, UPGRADE", "Upgrade: WebSocket"),
+        Want(FORWARD, EX80, "/", upgrade=("h2c", "TLS/1.2", "WebSocket")),
+    ),
+    (
+        "upgrade with Content-Length: 0",
+        req(WS_GET, *WS, "Content-Length: 0"),
+        Want(FORWARD, EX80, "/chat", BodyFraming(FramingKind.LENGTH, 0), upgrade=("websocket",)),
+    ),
+    (
+        "upgrade and Connection: close",
+        req(WS_GET, "Upgrade: websocket", "Connection: close, upgrade"),
+        Want(FORWARD, EX80, "/chat", keep_alive=False, upgrade=("websocket",)),
+    ),
+    (
+        "Upgrade without Connection: upgrade is no upgrade",
+        req(POST, "Upgrade: websocket", "Connection: keep-alive", "Content-Length: 3"),
+        Want(FORWARD, EX80, "/", BodyFraming(FramingKind.LENGTH, 3)),
+    ),
+    (
+        "Connection: upgrade without Upgrade is no upgrade",
+        req(WS_GET, "Connection: upgrade"),
+        Want(FORWARD, EX80, "/chat"),
+    ),
+    (
+        "an empty Upgrade offers nothing",
+        req(GET, "Upgrade: ,", "Connection: upgrade"),
+        Want(FORWARD, EX80, "/"),
+    ),
+    (
+        "Upgrade in HTTP/1.0 is ignored, body and all",
+        req("POST ws://example.com/ HTTP/1.0", *WS, "Content-Length: 4"),
+        Want(FORWARD, EX80, "/", BodyFraming(FramingKind.LENGTH, 4), keep_alive=False),
+    ),
+    (
+        "Upgrade with CONNECT means nothing",
+        req("CONNECT example.com:80 HTTP/1.1", *WS, host="example.com:80"),
+        Want(CONNECT, EX80),
+    ),
 ]
 
 
@@ -315,6 +384,7 @@ def test_accepted(raw: bytes, want: Want) -> None:
         head.body,
         head.keep_alive,
         head.expect_continue,
+        head.upgrade,
     )
     assert got == want
     assert (head.host, head.port) == want.authority
@@ -358,8 +428,12 @@ REFUSED: list[tuple[str, bytes, int, str]] = [
     ("origin-form", req("GET /path HTTP/1.1"), 400, "this is a proxy"),
     ("asterisk-form", req("OPTIONS * HTTP/1.1"), 400, "asterisk-form"),
     ("https absolute-form", req("GET https://example.com/ HTTP/1.1"), 400, "use CONNECT"),
-    ("ftp", req("GET ftp://example.com/ HTTP/1.1"), 400, "only http://"),
-    ("ws", req("GET ws://example.com/ HTTP/1.1"), 400, "only http://"),
+    ("wss absolute-form", req("GET wss://example.com/ HTTP/1.1", *WS), 400, "use CONNECT"),
+    ("WSS absolute-form", req("GET WSS://example.com:8443/ HTTP/1.1"), 400, "use CONNECT"),
+    ("ftp", req("GET ftp://example.com/ HTTP/1.1"), 400, "only http:// and ws://"),
+    ("wsx", req("GET wsx://example.com/ HTTP/1.1"), 400, "only http:// and ws://"),
+    ("ws without slashes", req("GET ws:example.com/ HTTP/1.1"), 400, "absolute-form"),
+    ("ws userinfo", req("GET ws://u:p@example.com/ HTTP/1.1", *WS), 400, "userinfo"),
     ("authority-form without CONNECT", req("GET example.com:80 HTTP/1.1"), 400, "absolute-form"),
     ("lower-case connect", req("connect example.com:443 HTTP/1.1"), 400, "absolute-form"),
     ("userinfo", req("GET http://user:pw@example.com/ HTTP/1.1"), 400, "userinfo"),
@@ -463,9 +537,24 @@ REFUSED: list[tuple[str, bytes, int, str]] = [
         "body",
     ),
     ("CONNECT chunked", req("CONNECT a.b:443 HTTP/1.1", "Transfer-Encoding: chunked"), 400, "body"),
+    # Upgrade: the bytes after the head are the new protocol's, never a body
+    (
+        "upgrade with Content-Length",
+        req(WS_GET, *WS, "Content-Length: 5"),
+        400,
+        "cannot carry a body",
+    ),
+    ("upgrade chunked", req(WS_GET, *WS, "Transfer-Encoding: chunked"), 400, "cannot carry a body"),
+    ("ws Host mismatch", req(WS_GET, *WS, host="other.example"), 400, "does not match"),
+    ("Upgrade not a token", req(GET, "Upgrade: web socket", "Connection: upgrade"), 400, "Upgrade"),
+    (
+        "Upgrade empty version",
+        req(GET, "Upgrade: websocket/", "Connection: upgrade"),
+        400,
+        "Upgrade",
+    ),
+    ("Upgrade two versions", req(GET, "Upgrade: a/1/2", "Connection: upgrade"), 400, "Upgrade"),
 ]
-
-POST = "POST http://example.com/ HTTP/1.1"
 
 # Request smuggling (CL.TE, TE.CL, TE.TE and friends): each one refused.
 SMUGGLING: list[tuple[str, bytes, int, str]] = [
@@ -674,6 +763,7 @@ SEEDS = [
         "Content-Length: 1",
         host="[::1]:81",
     ),
+    req(WS_GET, *WS) + b"\x81\x02hi",
 ]
 # Bytes that tend to matter to HTTP parsers.
 INTERESTING = [b"\r", b"\n", b"\r\n", b" ", b"\t", b"\x00", b":", b",", b"0", b"5", b"a", b"\xff"]
@@ -682,6 +772,8 @@ INTERESTING += [
     b"Content-Length: 3\r\n",
     b"Transfer-Encoding: chunked\r\n",
     b"Host: b\r\n",
+    b"Upgrade: websocket\r\n",
+    b"Connection: upgrade\r\n",
 ]
 
 
@@ -973,6 +1065,76 @@ def test_forward_head_keeps_bytes_and_adds_host_for_http10() -> None:
     )
 
 
+def test_forward_head_passes_an_upgrade_on() -> None:
+    head = accept(
+        req(
+            WS_GET,
+            "Proxy-Connection: keep-alive",
+            "Proxy-Authorization: Basic dTpw",
+            "Connection: keep-alive, Upgrade, X-Hop",
+            "X-Hop: 1",
+            "Upgrade: websocket",
+            "Origin: http://example.com",
+            WS_KEY,
+            "Sec-WebSocket-Version: 13",
+            "Sec-WebSocket-Protocol: chat, superchat",
+            "Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits",
+        )
+    )
+    assert forward_head(head) == (
+        b"GET /chat HTTP/1.1\r\n"
+        b"Host: example.com\r\n"
+        b"Origin: http://example.com\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Protocol: chat, superchat\r\n"
+        b"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n"
+        b"Upgrade: websocket\r\n"
+        b"Connection: Upgrade\r\n"  # no close: the connection carries the new protocol
+        b"\r\n"
+    )
+
+
+def test_forward_head_upgrade_lists_and_empty_body() -> None:
+    head = accept(
+        req(
+            "OPTIONS ws://example.com HTTP/1.1",
+            "Upgrade: h2c, TLS/1.2",
+            "Upgrade: websocket",
+            "Connection: upgrade",
+            "Content-Length: 0",
+        )
+    )
+    assert forward_head(head) == (
+        b"OPTIONS * HTTP/1.1\r\nHost: example.com\r\nContent-Length: 0\r\n"
+        b"Upgrade: h2c, TLS/1.2, websocket\r\nConnection: Upgrade\r\n\r\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # RFC 9110 §7.8: Upgrade in HTTP/1.0 is ignored.
+        req(
+            "GET ws://example.com/chat HTTP/1.0",
+            "Upgrade: websocket",
+            "Connection: Upgrade",
+            WS_KEY,
+        ),
+        # Without the `upgrade` connection option it is a stray hop-by-hop field.
+        req(WS_GET, "Upgrade: websocket", WS_KEY),
+    ],
+    ids=["HTTP/1.0", "no Connection: upgrade"],
+)
+def test_forward_head_drops_an_upgrade_that_is_none(raw: bytes) -> None:
+    head = accept(raw)
+    assert head.upgrade == ()
+    assert forward_head(head) == (
+        b"GET /chat HTTP/1.1\r\nHost: example.com\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nConnection: close\r\n\r\n"
+    )
+
+
 def test_forward_head_refuses_connect() -> None:
     with pytest.raises(ValueError, match="CONNECT"):
         forward_head(accept(req("CONNECT a.b:443 HTTP/1.1")))
@@ -1103,6 +1265,8 @@ class Relayed:
     body: bytes  # decoded if it went out chunked
     ended: bool
     keep_alive: bool | None
+    upgraded: bool = False  # head is then the 101's
+    trailing: bytes = b""  # after a 101: the upstream's bytes that followed it
 
 
 def relay(framer: ResponseFramer, chunks: Sequence[bytes], eof: bool) -> Relayed | int:
@@ -1114,16 +1278,21 @@ def relay(framer: ResponseFramer, chunks: Sequence[bytes], eof: bool) -> Relayed
             events += framer.feed_eof()
     except UpstreamResponseError as exc:
         return exc.status
-    return summarize(events)
+    return summarize(events, framer.trailing)
 
 
-def summarize(events: list[ResponseEvent]) -> Relayed:
+def summarize(events: list[ResponseEvent], trailing: bytes = b"") -> Relayed:
     informational = tuple(e.data for e in events if isinstance(e, InformationalResponse))
     heads = [e for e in events if isinstance(e, ResponseHead)]
     ends = [e for e in events if isinstance(e, EndOfMessage)]
+    upgrades = [e for e in events if isinstance(e, Upgraded)]
     assert len(heads) <= 1 and len(ends) <= 1
     if ends:
         assert events[-1] is ends[0], "nothing may follow the end"
+    if upgrades:
+        assert events[-1] is upgrades[0] and not heads, "a 101 is the last event"
+        return Relayed(informational, upgrades[0].data, b"", False, None, True, trailing)
+    assert not trailing
     body = b"".join(e.data for e in events if isinstance(e, BodyData | EndOfMessage))
     head = heads[0].data if heads else b""
     if heads and ("Transfer-Encoding", "chunked") in heads[0].headers:
@@ -1305,7 +1474,12 @@ RESPONSE_REFUSED: list[tuple[str, bytes, bool, str]] = [
     ("HTTP/2", b"HTTP/2 200 OK\r\n\r\n", False, "status line"),
     ("ICY", b"ICY 200 OK\r\n\r\n", False, "status line"),
     ("HTTP/0.9 body", b"<html>hello</html>", True, "closed before"),
-    ("101", b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: ws\r\n\r\n", False, "101"),
+    (
+        "101 to a request that asked for no upgrade",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
+        False,
+        "asked for none",
+    ),
     (
         "too many 1xx",
         b"HTTP/1.1 102 Processing\r\n\r\n" * (MAX_INFORMATIONAL_RESPONSES + 1),
@@ -1359,6 +1533,198 @@ def test_response_refused_with_502(data: bytes, eof: bool, text: str) -> None:
             framer.feed(b"more")  # sticky
 
 
+# -- upgrades (101 Switching Protocols) -----------------------------------------------------
+
+WS_ACCEPT = "Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+SWITCH = (
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    + WS_ACCEPT.encode()
+    + b"\r\n\r\n"
+)
+SWITCHED = (
+    b"HTTP/1.1 101 Switching Protocols\r\n"
+    + WS_ACCEPT.encode()
+    + b"\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+)
+# A WebSocket text frame "hello", as a server may send right behind its 101;
+# then bytes that look like HTTP, which after a 101 are just data.
+FRAME = b"\x81\x05hello" + b"HTTP/1.1 200 OK\r\n\r\n\r\n"
+
+
+def ws_request(*fields: str) -> RequestHead:
+    return request(WS_GET, *(fields or WS))
+
+
+@pytest.mark.parametrize("eof", [False, True])
+def test_101_to_an_upgrade_request_ends_in_upgraded(eof: bool) -> None:
+    got = relay_every_way(ws_request(), SWITCH + FRAME, eof=eof)
+    assert got == Relayed((), SWITCHED, b"", False, None, upgraded=True, trailing=FRAME)
+    assert relay_every_way(ws_request(), SWITCH, eof=eof) == Relayed(
+        (), SWITCHED, b"", False, None, upgraded=True
+    )
+
+
+def test_upgraded_event_and_later_bytes() -> None:
+    framer = ResponseFramer(ws_request())
+    assert framer.feed(SWITCH[:-1]) == []
+    assert framer.trailing == b""
+    events = framer.feed(SWITCH[-1:] + b"ab")
+    assert events == [
+        Upgraded(
+            (
+                ("Sec-WebSocket-Accept", "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="),
+                ("Upgrade", "websocket"),
+                ("Connection", "Upgrade"),
+            ),
+            SWITCHED,
+        )
+    ]
+    assert framer.feed(b"cd") == []  # the framer is done: later bytes only add up
+    assert framer.feed_eof() == []
+    assert framer.trailing == b"abcd"
+
+
+def test_101_head_is_rebuilt_for_the_client() -> None:
+    response = (
+        b"HTTP/1.1 101 Web Socket Protocol Handshake\r\n"
+        b"Upgrade: WebSocket\r\n"
+        b"Connection: keep-alive, Upgrade, X-Hop\r\n"
+        b"X-Hop: 1\r\n"
+        b"Keep-Alive: timeout=5\r\n"
+        b"Proxy-Authenticate: Basic\r\n"
+        b"Content-Length: 0\r\n"
+        b"Sec-WebSocket-Protocol: chat\r\n\r\n"
+    )
+    got = relay_every_way(ws_request(*WS, "Sec-WebSocket-Protocol: chat"), response, eof=False)
+    assert got == Relayed(
+        (),
+        b"HTTP/1.1 101 Web Socket Protocol Handshake\r\nSec-WebSocket-Protocol: chat\r\n"
+        b"Upgrade: WebSocket\r\nConnection: Upgrade\r\n\r\n",
+        b"",
+        False,
+        None,
+        upgraded=True,
+    )
+
+
+def test_101_after_informational_responses() -> None:
+    got = relay_every_way(ws_request(), CONTINUE + EARLY_HINTS + SWITCH + FRAME, eof=False)
+    hints = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
+    assert got == Relayed((b"", hints), SWITCHED, b"", False, None, True, FRAME)
+
+
+def test_101_to_one_of_several_offered_protocols() -> None:
+    client = request(GET, "Upgrade: h2c, TLS/1.2, websocket/13", "Connection: Upgrade")
+    response = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: TLS/1.3, WEBSOCKET\r\n\r\n"
+    got = relay_every_way(client, response, eof=False)
+    assert isinstance(got, Relayed) and got.upgraded
+    assert got.head == (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: TLS/1.3, WEBSOCKET\r\n"
+        b"Connection: Upgrade\r\n\r\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("response", "head"),
+    [
+        (
+            b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\n\r\nnop",
+            b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\nConnection: close\r\n\r\n",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\n\r\nnop",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        ),
+    ],
+    ids=["404", "close-delimited 200"],
+)
+def test_refused_upgrade_is_an_ordinary_response_that_closes(response: bytes, head: bytes) -> None:
+    got = relay_every_way(ws_request(), response, eof=True)
+    assert got == Relayed((), head, b"nop", True, False)
+
+
+UPGRADE_REFUSED: list[tuple[str, RequestHead, bytes, str]] = [
+    (
+        "101 without Upgrade",
+        ws_request(),
+        b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n\r\n",
+        "without an Upgrade",
+    ),
+    (
+        "101 with an empty Upgrade",
+        ws_request(),
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: ,\r\n\r\n",
+        "without an Upgrade",
+    ),
+    (
+        "101 to a protocol not offered",
+        ws_request(),
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+        "not offered",
+    ),
+    (
+        "101 to one offered and one not",
+        ws_request(),
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket, h2c\r\n\r\n",
+        "not offered",
+    ),
+    (
+        "101 with a malformed Upgrade",
+        ws_request(),
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: web socket\r\n\r\n",
+        "malformed Upgrade",
+    ),
+    (
+        "101 from HTTP/1.0",
+        ws_request(),
+        b"HTTP/1.0 101 Switching\r\nUpgrade: websocket\r\n\r\n",
+        "HTTP/1.0",
+    ),
+    (
+        "101 with a malformed Content-Length",
+        ws_request(),
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nContent-Length: x\r\n\r\n",
+        "digits",
+    ),
+    (
+        "101 with CL and TE",
+        ws_request(),
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nContent-Length: 0\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n",
+        "both",
+    ),
+    (
+        "101 to HTTP/1.0, whose Upgrade was ignored",
+        request("GET ws://example.com/chat HTTP/1.0", *WS),
+        SWITCH,
+        "asked for none",
+    ),
+    (
+        "101 when Connection: upgrade was missing",
+        request(WS_GET, "Upgrade: websocket"),
+        SWITCH,
+        "asked for none",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("client", "data", "text"),
+    [c[1:] for c in UPGRADE_REFUSED],
+    ids=[c[0] for c in UPGRADE_REFUSED],
+)
+def test_upgrade_response_refused_with_502(client: RequestHead, data: bytes, text: str) -> None:
+    for chunks in (whole(data + FRAME), bytewise(data + FRAME)):
+        framer = ResponseFramer(client)
+        with pytest.raises(UpstreamResponseError, match=re.escape(text)) as caught:
+            for chunk in chunks:
+                framer.feed(chunk)
+        assert caught.value.status == 502
+        with pytest.raises(UpstreamResponseError):
+            framer.feed(b"more")  # sticky
+        assert framer.trailing == b""
+
+
 def test_framer_is_done_after_the_end() -> None:
     framer = ResponseFramer(request())
     events = framer.feed(FINAL)
@@ -1396,6 +1762,7 @@ RESPONSE_SEEDS = [
     b"HTTP/1.0 200 OK\r\nX: 1\r\n\r\nhello",
     b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n",
     b"HTTP/1.1 304 Not Modified\r\nContent-Length: 9\r\n\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\n" + SWITCH + FRAME,
 ]
 
 
@@ -1404,12 +1771,15 @@ RESPONSE_SEEDS = [
     data=st.binary(max_size=200) | mutated(RESPONSE_SEEDS),
     cuts=st.lists(st.integers(0, 250), max_size=6),
     eof=st.booleans(),
-    method=st.sampled_from(["GET", "HEAD"]),
+    method=st.sampled_from(["GET", "HEAD", "UPGRADE"]),
 )
 def test_fuzz_framer_gives_events_or_502(
     data: bytes, cuts: list[int], eof: bool, method: str
 ) -> None:
-    client = request(f"{method} http://example.com/ HTTP/1.1")
+    if method == "UPGRADE":
+        client = ws_request()
+    else:
+        client = request(f"{method} http://example.com/ HTTP/1.1")
     got = relay(ResponseFramer(client), split_at(data, cuts), eof)  # 502 only
     assert got == relay(ResponseFramer(client), whole(data), eof)
 

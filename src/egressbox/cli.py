@@ -428,8 +428,47 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from egressbox.confine.probe import format_table, probe_host, to_json
 
     support = probe_host()
-    print(json.dumps(to_json(support)) if args.json else format_table(support))
+    profiles = profile_support(support)
+    if args.json:
+        data = to_json(support)
+        data["profiles"] = profiles
+        print(json.dumps(data))
+        return EXIT_OK
+    print(format_table(support))
+    print()
+    print(_profiles_table(profiles))
     return EXIT_OK
+
+
+def profile_support(support: object) -> dict[str, dict[str, object]]:
+    """What each `run` profile would enforce on this host, and what it would refuse."""
+    from egressbox.confine.plan import HostFacts, Profile, choose_mechanisms, wanted
+    from egressbox.confine.probe import HostSupport
+
+    assert isinstance(support, HostSupport)
+    status = {m.name: m.status.value for m in support.mechanisms()}
+    available = frozenset(n for n, v in status.items() if v == "available")
+    facts = HostFacts(available, status, support.landlock.abi or 0, support.euid)
+    result: dict[str, dict[str, object]] = {}
+    for profile in Profile:
+        chosen, refusals = choose_mechanisms(profile, facts)
+        result[profile.value] = {
+            "enforced": sorted(m.value for m in chosen),
+            "missing": sorted(m.value for m in wanted(profile) - chosen),
+            "refuses": [r.message() for r in refusals],
+        }
+    return result
+
+
+def _profiles_table(profiles: dict[str, dict[str, object]]) -> str:
+    lines = [f"{'PROFILE':<17}  {'WOULD ENFORCE HERE':<60}  MISSING"]
+    for name, row in profiles.items():
+        enforced = ", ".join(row["enforced"]) or "-"  # type: ignore[arg-type]
+        missing = ", ".join(row["missing"]) or "-"  # type: ignore[arg-type]
+        lines.append(f"{name:<17}  {enforced:<60}  {missing}")
+        for refusal in row["refuses"]:  # type: ignore[attr-defined]
+            lines.append(f"{'':<17}  {refusal}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

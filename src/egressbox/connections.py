@@ -14,9 +14,9 @@ import contextlib
 import functools
 
 from egressbox.audit import AuditProtocol, AuditRecord
-from egressbox.decide import Decision
+from egressbox.decide import Decision, bad_target
 from egressbox.dial import DialError
-from egressbox.errors import AuditError, Reason, Verdict
+from egressbox.errors import AuditError, HostError, Reason, Verdict
 from egressbox.hosts import INVALID_HOST_TEXT
 from egressbox.protocols import http1, socks5
 from egressbox.replies import dial_http_status, dial_socks_code, http_status, socks_code
@@ -83,6 +83,9 @@ class HttpConnection(_Lingering):
             return
         try:
             head = self.parser.feed(data)
+        except http1.BadTargetPortError as exc:
+            self.start(functools.partial(self.bad_port, exc.connect))
+            return
         except http1.HttpError as exc:
             self.state.diagnostic(f"http: refused a malformed request ({exc.status}: {exc})")
             self.reply_and_close(http1.error_reply(exc.status, "bad_request", str(exc)))
@@ -108,6 +111,17 @@ class HttpConnection(_Lingering):
             self.dial_failed(decision, exc)
             return
         await self.tunnel(upstream, decision, trailing, http1.connect_established())
+
+    async def bad_port(self, connect: bool) -> None:
+        """A target port outside 1-65535 is a decision (bad_port), audited like any other."""
+        self.protocol_name = AuditProtocol.CONNECT if connect else AuditProtocol.HTTP
+        message = "bad port: use a decimal number from 1 to 65535"
+        decision = bad_target(HostError(Reason.BAD_PORT, message))
+        try:
+            self.record(decision)
+        except AuditError:
+            decision = bad_target(HostError(Reason.AUDIT_UNAVAILABLE, "audit log unavailable"))
+        self.refuse(decision)
 
     def refuse(self, decision: Decision) -> None:
         self.log_refusal(decision)

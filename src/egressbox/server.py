@@ -173,14 +173,18 @@ class Connection(asyncio.Protocol):
             decision = await check(
                 state.policy, state.resolver, host, port, self_endpoints=state.self_endpoints
             )
-        record = AuditRecord.create(
-            self.protocol_name, decision.host, decision.port, decision.verdict, decision.reason
-        )
         try:
-            state.emit(record)
+            self.record(decision)
         except AuditError:
             return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error or "")
         return decision
+
+    def record(self, decision: Decision) -> None:
+        """Write the decision's audit record (raises AuditError when the sink fails)."""
+        record = AuditRecord.create(
+            self.protocol_name, decision.host, decision.port, decision.verdict, decision.reason
+        )
+        self.state.emit(record)
 
     async def dial_pinned(self, decision: Decision) -> socket.socket:
         return await dial(

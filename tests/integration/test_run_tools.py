@@ -455,15 +455,9 @@ AIOHTTP_WEBSOCKET = """
 """
 
 
-# ws:// through an HTTP proxy is `GET ws://host/path` with Upgrade: the proxy
-# forwards only http:// targets and never relays a 101 (protocols/http1.py).
-WS_NOT_FORWARDED = pytest.mark.xfail(
-    reason="the proxy refuses absolute-form ws:// requests (400) and never forwards Upgrade",
-    strict=False,  # a fix elsewhere should not fail this file: remove the mark then
-)
-
-
-@pytest.mark.parametrize("scheme", ["wss", pytest.param("ws", marks=WS_NOT_FORWARDED)])
+# ws:// through an HTTP proxy is `GET ws://host/path` with Upgrade (relayed
+# after the 101); wss:// is a CONNECT tunnel.
+@pytest.mark.parametrize("scheme", ["wss", "ws"])
 def test_aiohttp_websocket_through_the_proxy(box: Box, origin: Origin, scheme: str) -> None:
     """aiohttp takes a WebSocket's proxy only from ws_proxy/wss_proxy."""
     url, protocol, port = target(origin, "https" if scheme == "wss" else "http", "/ws")

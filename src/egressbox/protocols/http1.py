@@ -562,7 +562,7 @@ def _authority(text: str, default_port: int | None) -> Authority:
         if default_port is None:
             raise _bad_request("CONNECT needs a port: CONNECT host:port")
         return Authority(host, default_port)
-    return Authority(host, _port(raw_port, "the request target"))
+    return Authority(host, _target_port(raw_port, connect=default_port is None))
 
 
 def _port(text: str, where: str) -> int:
@@ -570,6 +570,22 @@ def _port(text: str, where: str) -> int:
         return hosts.parse_port(text)
     except HostError:
         raise _bad_request(f"bad port in {where}: use a number from 1 to 65535") from None
+
+
+class BadTargetPortError(HttpError):
+    """The request target's port is not 1-65535: a destination the proxy
+    denies (bad_port, audited) rather than a malformed message."""
+
+    def __init__(self, connect: bool) -> None:
+        super().__init__(400, "bad port in the request target: use a number from 1 to 65535")
+        self.connect = connect
+
+
+def _target_port(text: str, connect: bool) -> int:
+    try:
+        return hosts.parse_port(text)
+    except HostError:
+        raise BadTargetPortError(connect) from None
 
 
 def _build_head(line: _RequestLine, fields: Fields) -> RequestHead:
