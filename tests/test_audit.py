@@ -1103,3 +1103,23 @@ def test_property_read_records_never_raises(chunks: list[bytes], compress: bool)
         # One item per "\n"-terminated line, plus one for an unterminated tail.
         tail = bool(data) and not data.endswith(b"\n")
         assert len(items) == data.count(b"\n") + tail
+
+
+@given(st.lists(RECORDS, min_size=1, max_size=4), st.sampled_from([0, 1, 999_999]))
+def test_property_to_json_is_json_dumps_byte_for_byte(records: list[AuditRecord], us: int) -> None:
+    # to_json() has a fast path (no json.dumps, a cached per-second ts prefix); records
+    # in the same second and in different seconds must give the exact json.dumps text.
+    same_second = [
+        AuditRecord(
+            records[0].ts.replace(microsecond=us),
+            r.protocol,
+            r.host,
+            r.port,
+            r.decision,
+            r.reason,
+        )
+        for r in records
+    ]
+    for record in [*records, *same_second]:
+        line = record.to_json()
+        assert line == json.dumps(record.to_dict(), ensure_ascii=True, separators=(",", ":"))

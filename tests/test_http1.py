@@ -1856,3 +1856,59 @@ def test_connect_without_host_header_is_accepted() -> None:
     assert head is not None
     assert (head.kind, head.host, head.port) == (http1.RequestKind.CONNECT, "a.b", 443)
     assert parser.trailing == b"hello"
+
+
+# -- request heads: the whole-head fast path ---------------------------------------------------
+
+
+def slow_path(data: bytes, max_head_bytes: int) -> Parsed:
+    """The line-by-line path only: a first feed of one byte never holds a whole head."""
+    return run_parser([data[:1], data[1:]], max_head_bytes)
+
+
+@st.composite
+def random_heads(draw: st.DrawFn) -> bytes:
+    """Heads built from valid and invalid request lines and field lines, CRLF or not."""
+    first = draw(
+        st.sampled_from([GET, POST, "CONNECT example.com:443 HTTP/1.1", "GET / HTTP/2", "GET  /"])
+        | st.binary(max_size=30).map(lambda b: b.decode("latin-1"))
+    )
+    fields = draw(
+        st.lists(
+            st.sampled_from(["Host: example.com", "Content-Length: 3", "X: y", " fold", "A : b"])
+            | st.binary(max_size=20).map(lambda b: b.decode("latin-1")),
+            max_size=6,
+        )
+    )
+    ends = draw(st.sampled_from(["\r\n\r\n", "\r\n\r\nrest", "\n\r\n", "\r\n\r\r\n\r\n"]))
+    lead = draw(st.sampled_from(["", "", "\r\n"]))
+    return (lead + "\r\n".join([first, *fields]) + ends).encode("latin-1")
+
+
+@FUZZ
+@given(
+    data=random_heads() | mutated() | st.binary(max_size=300),
+    limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD, 40]),
+)
+def test_whole_head_fast_path_agrees_with_the_line_path(data: bytes, limit: int) -> None:
+    assert run_parser(whole(data), limit) == slow_path(data, limit)
+
+
+@pytest.mark.parametrize("raw", ALL_REQUESTS)
+def test_whole_head_fast_path_agrees_on_every_listed_request(raw: bytes) -> None:
+    data = raw + TRAILING
+    for limit in (MAX_HEAD_BYTES, SMALL_HEAD, len(raw), len(raw) - 1):
+        assert run_parser(whole(data), limit) == slow_path(data, limit)
+
+
+def test_whole_head_fast_path_is_taken_for_a_plain_connect(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_line_path(self: RequestHeadParser) -> None:
+        raise AssertionError("the line-by-line path ran")
+
+    monkeypatch.setattr(RequestHeadParser, "_advance", no_line_path)
+    raw = req("CONNECT example.com:443 HTTP/1.1", host="example.com:443")
+    parser = RequestHeadParser()
+    head = parser.feed(raw + TRAILING)
+    assert head is not None
+    assert head.kind is RequestKind.CONNECT
+    assert parser.trailing == TRAILING

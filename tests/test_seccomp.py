@@ -158,7 +158,11 @@ def _run(probe: Probe, confine: PreparedFilter | None, setup: Setup | None = Non
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         os.close(read_fd)
-        signal.alarm(CHILD_TIMEOUT_S)  # a stuck probe must not outlive the test run
+        # A stuck probe must not outlive the test run. The default action, not
+        # an inherited Python handler (pytest-timeout installs one): a handler
+        # never runs while the main thread is stuck in a lock after fork().
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(CHILD_TIMEOUT_S)
         report: dict[str, Any]
         try:
             if setup is not None:

@@ -263,10 +263,11 @@ class _LineBuffer:
             self._pos = 0
         self._buf += data
 
-    def line(self, budget: int, too_long: HttpError) -> bytes | None:
+    def line(self, budget: int, too_long: Callable[[], HttpError]) -> bytes | None:
         """The next line without its CRLF, or None until it has arrived.
 
-        The line with its CRLF must fit in `budget` bytes, else `too_long`.
+        The line with its CRLF must fit in `budget` bytes, else `too_long()` is raised
+        (a factory: the error is only built when it is raised).
         A CR not followed by LF, or an LF without CR, is refused at once.
         """
         end = min(len(self._buf), self._pos + budget)
@@ -283,7 +284,7 @@ class _LineBuffer:
                 return self._consume_line(at)
             self._scanned = at - self._pos  # look at this CR again with the next byte
         if self.available >= budget:
-            raise too_long
+            raise too_long()
         return None
 
     def _consume_line(self, cr: int) -> bytes:
@@ -424,12 +425,41 @@ class RequestHeadParser:
             raise self._error
         if self._head is not None:
             raise RuntimeError("the head is complete; feed further bytes to the body reader")
-        self._lines.extend(data)
         try:
+            if not self._lines.consumed and not self._lines.available and type(data) is bytes:
+                head = self._whole_head(data)
+                if head is not None:
+                    return head
+            self._lines.extend(data)
             return self._advance()
         except HttpError as exc:
             self._error = exc
             raise
+
+    def _whole_head(self, data: bytes) -> RequestHead | None:
+        """Fast path: a whole head in the first feed, parsed without the line buffer.
+
+        Taken only when the line-by-line path would see the same lines: no leading
+        empty line, every line ends in CRLF with no bare CR or LF, and the head fits
+        the limit. The same checks then run in the same order, so the head or the
+        error is the same. Returns None (nothing changed) to take the slow path.
+        """
+        end = data.find(b"\r\n\r\n")
+        if end <= 0 or end + 4 > self._max_head_bytes:
+            return None
+        lines = data[:end].split(b"\r\n")
+        breaks = len(lines) - 1
+        if not lines[0] or data.count(b"\r", 0, end) != breaks:
+            return None
+        if data.count(b"\n", 0, end) != breaks:
+            return None
+        request_line = self._request_line = _parse_request_line(lines[0])
+        for index in range(1, len(lines)):
+            self._on_field_line(lines[index])
+        head = _build_head(request_line, tuple(self._fields))
+        self._head = head
+        self._trailing = data[end + 4 :]
+        return head
 
     def _advance(self) -> RequestHead | None:
         while True:
@@ -446,16 +476,20 @@ class RequestHeadParser:
     def _next_line(self) -> bytes | None:
         budget = self._max_head_bytes - (self._lines.consumed - self._head_start)
         if self._request_line is None:
-            too_long = HttpError(
-                HTTPStatus.REQUEST_URI_TOO_LONG,
-                f"request line is longer than {self._max_head_bytes} bytes",
-            )
-        else:
-            too_long = HttpError(
-                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                f"request head is larger than {self._max_head_bytes} bytes",
-            )
-        return self._lines.line(budget, too_long)
+            return self._lines.line(budget, self._line_too_long)
+        return self._lines.line(budget, self._head_too_long)
+
+    def _line_too_long(self) -> HttpError:
+        return HttpError(
+            HTTPStatus.REQUEST_URI_TOO_LONG,
+            f"request line is longer than {self._max_head_bytes} bytes",
+        )
+
+    def _head_too_long(self) -> HttpError:
+        return HttpError(
+            HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+            f"request head is larger than {self._max_head_bytes} bytes",
+        )
 
     def _on_first_line(self, line: bytes) -> None:
         if line:
@@ -892,11 +926,20 @@ class _ChunkedDecoder:
 
     def _next_line(self) -> bytes | None:
         if self._state is _ChunkState.SIZE:
-            return self._lines.line(MAX_CHUNK_LINE_BYTES, self._fail("chunk size line too long"))
+            return self._lines.line(MAX_CHUNK_LINE_BYTES, self._size_line_too_long)
         if self._state is _ChunkState.DATA_END:
-            return self._lines.line(2, self._fail("chunk data must be followed by CRLF"))
+            return self._lines.line(2, self._no_crlf_after_data)
         budget = MAX_TRAILER_BYTES - self._trailer_bytes
-        return self._lines.line(budget, self._fail("trailer section is too large"))
+        return self._lines.line(budget, self._trailers_too_large)
+
+    def _size_line_too_long(self) -> HttpError:
+        return self._fail("chunk size line too long")
+
+    def _no_crlf_after_data(self) -> HttpError:
+        return self._fail("chunk data must be followed by CRLF")
+
+    def _trailers_too_large(self) -> HttpError:
+        return self._fail("trailer section is too large")
 
     def _on_line(self, line: bytes) -> None:
         if self._state is _ChunkState.SIZE:
@@ -1156,10 +1199,7 @@ class ResponseFramer:
     def _read_head(self) -> ResponseEvent | None:
         while True:
             budget = self._max_head_bytes - (self._lines.consumed - self._head_start)
-            too_long = UpstreamResponseError(
-                f"response head is larger than {self._max_head_bytes} bytes"
-            )
-            line = self._lines.line(budget, too_long)
+            line = self._lines.line(budget, self._response_head_too_long)
             if line is None:
                 return None
             if self._status is None:
@@ -1168,6 +1208,9 @@ class ResponseFramer:
                 self._fields.append(_parse_field_line(line, UpstreamResponseError))
             else:
                 return self._complete_head(self._status, tuple(self._fields))
+
+    def _response_head_too_long(self) -> HttpError:
+        return UpstreamResponseError(f"response head is larger than {self._max_head_bytes} bytes")
 
     def _complete_head(self, status: _StatusLine, fields: Fields) -> ResponseEvent:
         self._status = None
