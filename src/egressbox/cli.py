@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from egressbox import __version__, audit_cli
+from egressbox import __version__
 from egressbox.decide import Decision
 from egressbox.errors import EgressboxError, HostError, PolicyError
 from egressbox.hosts import canonical_ip_text, split_authority
@@ -39,7 +39,9 @@ Start with `egressbox check POLICY` and `egressbox explain --policy POLICY HOST`
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; `command` (when known) lets other commands skip
+    importing the audit reader, which `run`'s start-up time would pay for."""
     parser = argparse.ArgumentParser(
         prog="egressbox",
         description=DESCRIPTION,
@@ -52,8 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_explain(sub)
     _add_doctor(sub)
-    audit_cli.add_parser(sub)
+    if command in (None, "audit"):
+        from egressbox import audit_cli
+
+        audit_cli.add_parser(sub)
+    else:
+        sub.add_parser("audit", help="read audit logs, summarize them, suggest a policy")
     return parser
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand named in argv (the first word that is not an option)."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
 
 def _add_serve(sub: Subparsers) -> None:
@@ -230,14 +242,15 @@ def _add_doctor(sub: Subparsers) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command_of(words)).parse_args(words)
     handlers = {
         "serve": cmd_serve,
         "run": cmd_run,
         "check": cmd_check,
         "explain": cmd_explain,
         "doctor": cmd_doctor,
-        "audit": audit_cli.run,
+        "audit": _cmd_audit,
     }
     try:
         return handlers[args.command](args)
@@ -254,6 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_RUNTIME
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from egressbox import audit_cli
+
+    return audit_cli.run(args)
 
 
 def _print_policy_error(exc: PolicyError, out: TextIO) -> None:
