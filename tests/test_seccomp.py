@@ -1095,3 +1095,24 @@ def test_outside_is_exact_near_the_allowed_values() -> None:
     assert _matched(wide, near) == [value for value in near if value not in (1, 2, 10)]
     narrow = seccomp._outside(0, [1], bits=4)
     assert _matched(narrow, near) == [value for value in near if value & 0xF != 1]
+
+
+def test_compiled_program_is_cached_and_enforces(tmp_path: Path) -> None:
+    # `egressbox run` loads the filter as a cached BPF program (no pyseccomp
+    # import in the launcher): the cache round-trips and the program enforces.
+    from egressbox.confine.seccomp import cached_filter, load_program
+
+    first = cached_filter(str(tmp_path))
+    assert first.program and first.status is Status.FULL
+    assert cached_filter(str(tmp_path)).program == first.program
+    assert list(tmp_path.iterdir())
+
+    def probe() -> object:
+        load_program(first.program)
+        try:
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()
+        except PermissionError:
+            return "udp refused"
+        return "udp allowed"
+
+    assert _run(probe, None).value == "udp refused"

@@ -74,6 +74,10 @@ class LaunchPlan:
     rlimit_as: int | None = None
     best_effort: bool = True
     env_ports: dict[str, str] = field(default_factory=dict)  # NAME -> template with {http}/{socks}
+    # A seccomp filter compiled (and cached) by the parent: loaded with one
+    # prctl, so the launcher never imports pyseccomp. Empty: build it here.
+    seccomp_program: bytes = b""
+    parent_pid: int = 0  # the proxy's pid: the launcher dies with it
 
     def has(self, mechanism: Mechanism) -> bool:
         return mechanism.value in self.mechanisms
@@ -123,9 +127,9 @@ def _preload(plan: LaunchPlan) -> None:
     """
     import resource
 
-    from egressbox.confine import caps, landlock, landlock_apply, mounts, syscalls
+    from egressbox.confine import caps, landlock, landlock_apply, mounts, seccomp, syscalls
 
-    del caps, landlock, landlock_apply, mounts, syscalls, resource
+    del caps, landlock, landlock_apply, mounts, seccomp, syscalls, resource
     del plan
 
 
@@ -134,7 +138,22 @@ def _tell(chan: socket.socket, message: dict[str, object], fds: tuple[int, ...] 
         netns.send_message(chan, message, fds)
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (an `egressbox run` killed with
+    SIGKILL must not leave a sandbox running); checked again after the call,
+    since the parent may already be gone."""
+    from egressbox.confine import syscalls
+
+    syscalls.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(EXIT_CANNOT_CONFINE)
+
+
 def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
+    _die_with_parent(plan.parent_pid)
     _preload(plan)
     prepared = _prepare_seccomp(plan)
     _unshare(plan)
@@ -142,18 +161,31 @@ def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
     _PROGRESS.listening_sent = True
     env = _fill_ports(plan, ports)
     if plan.has(Mechanism.PID_NAMESPACE):
+        launcher = os.getpid()
         pid = os.fork()
         if pid == 0:
+            # The reaper is pid 1 of the new namespace: when it dies, the
+            # kernel kills everything in it; it dies with the launcher.
+            _die_with_parent_pid_ns(launcher)
             os._exit(_reaper(plan, env, ports, prepared, chan))
         chan.close()
         return _supervise(pid, reap_all=False)
     return _reaper(plan, env, ports, prepared, chan)
 
 
+def _die_with_parent_pid_ns(launcher: int) -> None:
+    # Inside the new PID namespace getppid() is 0 (the parent is outside it),
+    # so only the death signal is set; the launcher is alive at this point.
+    from egressbox.confine import syscalls
+
+    del launcher
+    syscalls.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _prepare_seccomp(plan: LaunchPlan) -> Any:
     # pyseccomp's import may run ldconfig and needs a temp dir: build the
     # filter now, before any namespace or Landlock rule hides the filesystem.
-    if not plan.has(Mechanism.SECCOMP):
+    if not plan.has(Mechanism.SECCOMP) or plan.seccomp_program:
         return None
     from egressbox.confine import seccomp
 
@@ -302,6 +334,11 @@ def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any) -> None:
         caps.drop_all_capabilities()
     _landlock(plan, ports)
     _close_fds(plan.pass_fds)
+    if plan.seccomp_program and plan.has(Mechanism.SECCOMP):
+        from egressbox.confine.seccomp import load_program
+
+        load_program(plan.seccomp_program)  # raises: never exec without it
+        return
     if prepared is None:
         _no_new_privs()
         return

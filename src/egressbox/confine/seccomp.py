@@ -555,6 +555,8 @@ class SyscallFilter(Protocol):
 
     def load(self) -> None: ...
 
+    def export_bpf(self, file: Any) -> None: ...
+
 
 # Libraries pyseccomp looks up with ctypes.util.find_library, by their
 # stable sonames: find_library runs `ldconfig -p` (twice, ~20 ms each) and
@@ -773,3 +775,95 @@ def _errno_name(err: int | None) -> str:
     if err == errno.EOPNOTSUPP:
         return "EOPNOTSUPP"  # errno.errorcode names it ENOTSUP, its alias on Linux
     return errno.errorcode.get(err, f"errno {err}")
+
+
+# -- a compiled program, cached ---------------------------------------------------------
+#
+# Importing pyseccomp and building the filter costs ~15-20 ms, on the critical
+# path of every `egressbox run`. The filter depends only on the options, the
+# architecture, libseccomp and the kernel, so `run` compiles it once to
+# classic BPF, caches the bytes, and the command loads them with one prctl:
+# no pyseccomp import in the launcher at all.
+
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+_SOCK_FILTER_SIZE = 8  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
+
+
+@dataclass(frozen=True)
+class CompiledFilter:
+    program: bytes  # struct sock_filter[], as libseccomp exported it
+    status: Status
+    reason: str
+
+
+def compile_filter(options: SeccompOptions | None = None) -> CompiledFilter:
+    """Build the filter with pyseccomp and export it as a BPF program."""
+    import tempfile
+
+    options = options or SeccompOptions()
+    try:
+        built = _build(_Libseccomp(), options)
+    except (SeccompUnavailableError, OSError) as exc:
+        return CompiledFilter(b"", Status.NONE, str(exc))
+    with tempfile.TemporaryFile() as out:
+        built.seccomp_filter.export_bpf(out)
+        out.seek(0)
+        program = out.read()
+    if not program or len(program) % _SOCK_FILTER_SIZE:
+        return CompiledFilter(b"", Status.NONE, "libseccomp exported no usable program")
+    return CompiledFilter(program, built.report.status, built.report.reason)
+
+
+def cached_filter(
+    cache_dir: str, options: SeccompOptions | None = None, *, path: str | None = None
+) -> CompiledFilter:
+    """compile_filter(), cached in cache_dir by options, machine and kernel."""
+    import json
+    import zlib
+
+    options = options or SeccompOptions()
+    if path is None:
+        key = zlib.crc32(repr((options, os.uname().machine, os.uname().release)).encode())
+        path = os.path.join(cache_dir, f"seccomp-{key:08x}.json")
+    try:
+        with open(path, encoding="ascii") as f:
+            data = json.load(f)
+        return CompiledFilter(
+            bytes.fromhex(data["program"]), Status(data["status"]), data["reason"]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    compiled = compile_filter(options)
+    if compiled.program:
+        data = {"program": compiled.program.hex(), "status": compiled.status.value}
+        data["reason"] = compiled.reason
+        with contextlib.suppress(OSError):
+            os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w", encoding="ascii") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+    return compiled
+
+
+def load_program(program: bytes) -> None:
+    """Load a compiled filter into this (single-threaded) process; raises OSError.
+
+    Sets no_new_privs first, as seccomp requires of an unprivileged caller.
+    """
+    import ctypes
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+
+    count = len(program) // _SOCK_FILTER_SIZE
+    buffer = ctypes.create_string_buffer(program, len(program))
+    prog = SockFprog(count, ctypes.cast(buffer, ctypes.c_void_p))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(err)}")
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_SECCOMP): {os.strerror(err)}")
