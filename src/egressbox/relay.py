@@ -595,13 +595,17 @@ class Tunnel:
     # Start ----------------------------------------------------------------------
 
     async def _open_protocols(self, client: socket.socket, upstream: socket.socket) -> None:
-        c, u = self._sides
+        c = self._sides[0]
         try:
             await self._loop.connect_accepted_socket(lambda: c, client)
         except BaseException:
             client.close()
             upstream.close()
             raise
+        await self._open_upstream(upstream)
+
+    async def _open_upstream(self, upstream: socket.socket) -> None:
+        u = self._sides[1]
         try:
             await self._loop.connect_accepted_socket(lambda: u, upstream)
         except BaseException:
@@ -857,30 +861,18 @@ async def open_tunnel_on_transport(
     (measured: ~30 us of proxy CPU per short tunnel). The transport must be
     open, hold no unsent bytes, and be paused; its protocol is replaced.
     """
-    if client.is_closing() or client.get_write_buffer_size():
+    if client.is_closing() or client.get_write_buffer_size() or not idle_timeout > 0:
         upstream.close()
-        raise ValueError("the client transport is closing or holds unsent bytes")
+        raise ValueError("the client transport is closing or busy, or idle_timeout <= 0")
     loop = asyncio.get_running_loop()
-    if not idle_timeout > 0:
-        upstream.close()
-        raise ValueError("idle_timeout must be > 0")
     pool = pipes if pipes is not None else default_pipe_pool()
     tunnel = Tunnel(loop, idle_timeout, splice_threshold, pool)
     tunnel._count(True, len(initial_to_upstream))
     tunnel._count(False, len(initial_to_client))
-    c, u = tunnel._sides
+    c = tunnel._sides[0]
     client.set_protocol(c)
     c.connection_made(client)
-    try:
-        await loop.connect_accepted_socket(lambda: u, upstream)
-    except BaseException:
-        upstream.close()
-        u.lost = True  # it never had a transport
-        tunnel._opened = True
-        tunnel._finish(CloseReason.ABORTED, force=True)
-        tunnel._maybe_complete()
-        raise
-    tunnel._opened = True
+    await tunnel._open_upstream(upstream)
     tunnel._begin(initial_to_upstream, initial_to_client)
     return tunnel
 

@@ -674,6 +674,14 @@ def _result(code: int, records: list[AuditRecord], prepared: Prepared) -> RunRes
     return result
 
 
+def _start(
+    options: RunOptions, facts: HostFacts | None, capture_output: bool
+) -> tuple[Prepared, Launched]:
+    prepared = prepare(options, facts or host_facts())
+    _warn(prepared)
+    return prepared, spawn(prepared, capture_output=capture_output)
+
+
 def run_options_sync(
     options: RunOptions,
     *,
@@ -683,9 +691,7 @@ def run_options_sync(
     facts: HostFacts | None = None,
 ) -> RunResult:
     """Plan, fork the launcher, serve until the command exits (blocking)."""
-    prepared = prepare(options, facts or host_facts())
-    _warn(prepared)
-    launched = spawn(prepared, capture_output=capture_output)
+    prepared, launched = _start(options, facts, capture_output)
     if not capture_output:
         early = _exit_before_first_connection(launched)
         if early is not None:
@@ -711,9 +717,7 @@ async def run_options(
     facts: HostFacts | None = None,
 ) -> RunResult:
     """The async twin of run_options_sync (forks from the running loop's thread)."""
-    prepared = prepare(options, facts or host_facts())
-    _warn(prepared)
-    launched = spawn(prepared, capture_output=capture_output)
+    prepared, launched = _start(options, facts, capture_output)
     return await supervise(launched, options, prepared, audit=audit, log=log)
 
 
@@ -786,9 +790,7 @@ async def spawn_confined(
     import asyncio
 
     options = options_for(cmd, policy=policy, **kwargs)
-    prepared = prepare(options, host_facts())
-    _warn(prepared)
-    launched = spawn(prepared, capture_output=capture_output)
+    prepared, launched = _start(options, None, capture_output)
     task = asyncio.get_running_loop().create_task(
         supervise(launched, options, prepared, audit=audit)
     )
