@@ -7,12 +7,9 @@ the pytest process keeps its capabilities.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import subprocess
 import tempfile
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ import pytest
 
 from egressbox.confine import caps, syscalls
 from egressbox.confine.caps import CapSets
+from forking import attempt, fork_call
 
 NOBODY = 65534
 requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -32,39 +30,6 @@ CapBnd:\t000001ffffffffff
 CapAmb:\t0000000000000004
 NoNewPrivs:\t0
 """
-
-
-def fork_call(body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``body`` in a forked child and return the dict it produced (or fail with its error)."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        os.close(read_fd)
-        try:
-            produced = body()
-        except BaseException:
-            produced = {"child_error": traceback.format_exc()}
-        try:
-            os.write(write_fd, json.dumps(produced).encode())
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as reader:
-        payload = reader.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    result: dict[str, Any] = json.loads(payload)
-    assert "child_error" not in result, result.get("child_error")
-    return result
-
-
-def attempt(action: Callable[[], object]) -> str:
-    """'ok' or the errno name of the OSError the action raised."""
-    try:
-        action()
-    except OSError as exc:
-        return errno.errorcode.get(exc.errno or 0, str(exc))
-    return "ok"
 
 
 def exec_status() -> dict[str, int]:

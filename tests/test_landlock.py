@@ -9,12 +9,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import json
 import os
 import socket
 import struct
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,8 @@ from egressbox.confine.landlock import (
     RulesetAttr,
     Scope,
 )
+from forking import attempt as _attempt
+from forking import fork_call as run_in_child
 
 # The test's own libc handle: an independent check of what the binding reports.
 _TEST_LIBC = ctypes.CDLL(None, use_errno=True)
@@ -59,39 +59,6 @@ def _require_abi(minimum: int) -> int:
 @pytest.fixture
 def abi() -> int:
     return _require_abi(1)
-
-
-def run_in_child(body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``body`` in a forked child and return the dict it produced (or fail with its error)."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        os.close(read_fd)
-        try:
-            report = body()
-        except BaseException:
-            report = {"child_error": traceback.format_exc()}
-        try:
-            os.write(write_fd, json.dumps(report).encode())
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as reader:
-        payload = reader.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    result: dict[str, Any] = json.loads(payload)
-    assert "child_error" not in result, result.get("child_error")
-    return result
-
-
-def _attempt(action: Callable[[], object]) -> str:
-    """'ok' or the errno name of the OSError the action raised."""
-    try:
-        action()
-    except OSError as exc:
-        return errno.errorcode.get(exc.errno or 0, str(exc))
-    return "ok"
 
 
 def _read(path: Path) -> None:

@@ -8,13 +8,11 @@ pytest process never changes its own namespaces, mounts or credentials.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import socket
 import stat
 import tempfile
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ import pytest
 
 from egressbox.confine import caps, mounts, syscalls
 from egressbox.confine.mounts import MountReport, MountSpec, apply_mounts
+from forking import attempt, fork_call
 
 Body = Callable[[], dict[str, Any]]
 
@@ -40,30 +39,6 @@ requires_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
 # -- children ----------------------------------------------------------------------------------
-
-
-def fork_call(body: Body) -> dict[str, Any]:
-    """Run ``body`` in a forked child and return the dict it produced (or fail with its error)."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        os.close(read_fd)
-        try:
-            produced = body()
-        except BaseException:
-            produced = {"child_error": traceback.format_exc()}
-        try:
-            os.write(write_fd, json.dumps(produced).encode())
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as reader:
-        payload = reader.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    result: dict[str, Any] = json.loads(payload)
-    assert "child_error" not in result, result.get("child_error")
-    return result
 
 
 def child_ids(user: bool) -> tuple[int, int]:
@@ -103,15 +78,6 @@ def run_confined(body: Body, *, user: bool) -> dict[str, Any]:
         return fork_call(body)
 
     return fork_call(launcher)
-
-
-def attempt(action: Callable[[], object]) -> str:
-    """'ok' or the errno name of the OSError the action raised."""
-    try:
-        action()
-    except OSError as exc:
-        return errno.errorcode.get(exc.errno or 0, str(exc))
-    return "ok"
 
 
 def write(path: str | Path, text: str = "x", mode: str = "w") -> None:

@@ -15,14 +15,13 @@ import os
 import shutil
 import subprocess
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from egressbox.confine import landlock, probe
 from egressbox.confine.probe import Availability, HostSupport, Mechanism, probe_host
+from forking import fork_call as _run_in_child
 
 _TEST_LIBC = ctypes.CDLL(None, use_errno=True)
 _TEST_LIBC.syscall.restype = ctypes.c_long
@@ -62,30 +61,6 @@ def _proc_status() -> dict[str, str]:
     with open("/proc/self/status", encoding="ascii") as handle:
         pairs = (line.split(":", 1) for line in handle if ":" in line)
         return {key: value.strip() for key, value in pairs}
-
-
-def _run_in_child(body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``body`` in a forked child (it may change the child irreversibly); return its dict."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        os.close(read_fd)
-        try:
-            report = body()
-        except BaseException:
-            report = {"child_error": traceback.format_exc()}
-        try:
-            os.write(write_fd, json.dumps(report).encode())
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as reader:
-        payload = reader.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    result: dict[str, Any] = json.loads(payload)
-    assert "child_error" not in result, result.get("child_error")
-    return result
 
 
 # Shape and speed
