@@ -1,0 +1,94 @@
+"""`run` without namespaces (an unprivileged user on a host without user
+namespaces): Landlock TCP ports and seccomp still hold the child to the
+proxy's port numbers, and the report says `partial` for the network."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from egressbox.confine.plan import Enforcement, HostFacts, Profile
+from egressbox.policy import parse_policy
+from egressbox.run import RunOptions, host_facts, run_options_sync
+
+NO_NAMESPACES = {
+    "network_namespace": "cannot_attach",
+    "mount_namespace": "cannot_attach",
+    "pid_namespace": "cannot_attach",
+    "user_namespace": "cannot_attach",
+}
+
+
+@pytest.fixture
+def origin() -> Iterator[int]:
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            del format, args
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_without_namespaces_the_proxy_ports_are_all_the_child_reaches(
+    origin: int, tmp_path: Path
+) -> None:
+    real = host_facts()
+    if not {"landlock", "seccomp"} <= real.available or real.landlock_abi < 4:
+        pytest.skip("needs Landlock ABI >= 4 and seccomp: " + str(dict(real.status)))
+    facts = HostFacts(frozenset({"landlock", "seccomp", "no_new_privs"}), NO_NAMESPACES, 7, 0)
+    policy = parse_policy(
+        {"egress": {"allow": [f"localhost:{origin}"], "allow_cidrs": ["127.0.0.1/32"]}}, env={}
+    )
+    probe = (
+        "import os, socket, urllib.request\n"
+        f"print(urllib.request.urlopen('http://localhost:{origin}/', timeout=10).status)\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {origin}), timeout=5)\n"
+        "    print('direct reached')\n"
+        "except OSError as exc:\n"
+        "    print('direct refused', exc.errno)\n"
+    )
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    options = RunOptions(
+        argv=(sys.executable, str(script)),
+        policy=policy,
+        profile=Profile.WORKSPACE_PATHS,
+        write_roots=(str(tmp_path),),
+        cwd=str(tmp_path),
+    )
+    # The probe's output goes to our stdout: capture it through a pipe.
+    result = run_options_sync(options, facts=facts, capture_output=True)
+    assert result.exit_code == 0, result.stderr
+    lines = (result.stdout or b"").decode().split()
+    assert lines[0] == "200"
+    assert lines[1:3] == ["direct", "refused"]
+    network = next(r for r in result.report if r.mechanism == "network_boundary")
+    assert network.enforcement is Enforcement.PARTIAL
+    assert [(r.host, r.port, r.decision.value) for r in result.records] == [
+        ("localhost", origin, "allow")
+    ]
+    # The same probe unconfined reaches the origin directly.
+    clean = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    plain = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+        env=clean,
+    )
+    assert "direct reached" in plain.stdout
