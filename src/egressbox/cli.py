@@ -14,15 +14,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from egressbox import __version__
-from egressbox.decide import Decision
 from egressbox.errors import EgressboxError, HostError, PolicyError
-from egressbox.hosts import canonical_ip_text, split_authority
-from egressbox.policy import ENV_ALLOW, ENV_DENY, Mode, Policy, load_policy, parse_policy
 
 if TYPE_CHECKING:
+    from egressbox.decide import Decision
+    from egressbox.policy import Policy
     from egressbox.resolve import DnsResolver
 
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+# The policy module (and idna, tomllib) is imported only where a command
+# needs it: `egressbox run` loads the policy while the launcher starts.
+ENV_ALLOW = "EGRESSBOX_ALLOW"
+ENV_DENY = "EGRESSBOX_DENY"
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -253,9 +257,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "audit": _cmd_audit,
     }
     try:
-        return handlers[args.command](args)
+        code = handlers[args.command](args)
+        if argv is None and args.command == "run":
+            # The command has finished and every record is written: skip the
+            # interpreter's teardown of the proxy's modules (~7 ms per run).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except PolicyError as exc:
-        _print_policy_error(exc, sys.stderr)
+        print_policy_error(exc, sys.stderr)
         return EXIT_USAGE
     except EgressboxError as exc:
         print(f"egressbox: {exc}", file=sys.stderr)
@@ -275,7 +286,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return audit_cli.run(args)
 
 
-def _print_policy_error(exc: PolicyError, out: TextIO) -> None:
+def print_policy_error(exc: PolicyError, out: TextIO) -> None:
     count = len(exc.problems)
     where = exc.source or "policy"
     print(f"{where}: {count} problem{'s' if count != 1 else ''}:", file=out)
@@ -290,9 +301,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for path in args.files:
         try:
+            from egressbox.policy import load_policy
+
             policy = load_policy(path, env={})
         except PolicyError as exc:
-            _print_policy_error(exc, sys.stdout)
+            print_policy_error(exc, sys.stdout)
             status = EXIT_USAGE
             continue
         print(f"{path}: ok ({_summary(policy)})")
@@ -315,6 +328,8 @@ def _summary(policy: Policy) -> str:
 
 def load_cli_policy(path: str | None) -> Policy | None:
     """The policy of a command: the file plus environment overrides, or none at all."""
+    from egressbox.policy import load_policy, parse_policy
+
     if path is not None:
         return load_policy(path)
     if os.environ.get(ENV_ALLOW) or os.environ.get(ENV_DENY):
@@ -325,6 +340,8 @@ def load_cli_policy(path: str | None) -> Policy | None:
 def split_target(text: str) -> tuple[str, str | int]:
     """`HOST[:PORT]` for explain; a bare IPv6 address is accepted without brackets."""
     try:
+        from egressbox.hosts import split_authority
+
         host, port = split_authority(text)
     except HostError:
         # A bare IPv6 address (no port), or garbage that check() will call bad_host.
@@ -337,6 +354,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from egressbox.resolve import parse_nameserver
 
     policy = load_cli_policy(args.policy)
+    from egressbox.policy import Mode
+
     if policy is not None and policy.mode is Mode.REPORT:
         print("egressbox: warning: report mode lets denied names through", file=sys.stderr)
     try:
@@ -370,13 +389,19 @@ def make_resolver(policy: Policy | None, servers: list[tuple[str, int]]) -> DnsR
     )
 
 
+def _ip_texts(decision: Decision) -> list[str]:
+    from egressbox.hosts import canonical_ip_text
+
+    return [canonical_ip_text(ip) for ip in decision.addresses]
+
+
 def decision_dict(decision: Decision) -> dict[str, object]:
     return {
         "decision": decision.verdict.value,
         "reason": decision.reason.value,
         "host": decision.host,
         "port": decision.port,
-        "addresses": [canonical_ip_text(ip) for ip in decision.addresses],
+        "addresses": _ip_texts(decision),
         "rule": decision.rule,
         "detail": decision.detail,
     }
@@ -388,7 +413,7 @@ def _explain_json(decision: Decision) -> str:
 
 def _explain_text(decision: Decision) -> str:
     d = decision_dict(decision)
-    addresses = ", ".join(canonical_ip_text(ip) for ip in decision.addresses) or "-"
+    addresses = ", ".join(_ip_texts(decision)) or "-"
     target = f"{decision.host}:{decision.port}" if decision.port else decision.host
     return "\n".join(
         [

@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -414,6 +414,24 @@ class Launched:
     listeners: list[socket.socket]
     stdout_fd: int | None = None
     stderr_fd: int | None = None
+    chan: socket.socket | None = None  # to the launcher, until go() or abandon()
+
+    def go(self) -> None:
+        """Let the launcher start the command."""
+        if self.chan is not None:
+            with contextlib.suppress(OSError):
+                self.chan.send(b"go")
+            self.chan.close()
+            self.chan = None
+
+    def abandon(self) -> None:
+        """The command must not start (say, a bad policy): stop the launcher."""
+        if self.chan is not None:
+            self.chan.close()
+            self.chan = None
+        for sock in self.listeners:
+            sock.close()
+        _kill_and_reap(self.pid)
 
 
 class LaunchFailedError(EgressboxError):
@@ -444,11 +462,11 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
     try:
         listeners = _receive(parent_chan, prepared)
     except BaseException:
+        parent_chan.close()
         _kill_and_reap(pid)
         raise
-    finally:
-        parent_chan.close()
-    return Launched(pid, listeners, out_fd, err_fd)
+    parent_chan.settimeout(None)
+    return Launched(pid, listeners, out_fd, err_fd, parent_chan)
 
 
 def _receive(chan: socket.socket, prepared: Prepared) -> list[socket.socket]:
@@ -679,7 +697,9 @@ def _start(
 ) -> tuple[Prepared, Launched]:
     prepared = prepare(options, facts or host_facts())
     _warn(prepared)
-    return prepared, spawn(prepared, capture_output=capture_output)
+    launched = spawn(prepared, capture_output=capture_output)
+    launched.go()
+    return prepared, launched
 
 
 def run_options_sync(
@@ -689,9 +709,23 @@ def run_options_sync(
     capture_output: bool = False,
     log: Any = None,
     facts: HostFacts | None = None,
+    policy_loader: Callable[[], Policy | None] | None = None,
 ) -> RunResult:
-    """Plan, fork the launcher, serve until the command exits (blocking)."""
-    prepared, launched = _start(options, facts, capture_output)
+    """Plan, fork the launcher, serve until the command exits (blocking).
+
+    With `policy_loader`, the policy is loaded while the launcher sets the
+    sandbox up (start-up time); if loading raises, the command never starts.
+    """
+    prepared = prepare(options, facts or host_facts())
+    _warn(prepared)
+    launched = spawn(prepared, capture_output=capture_output)
+    if policy_loader is not None:
+        try:
+            options = dataclasses.replace(options, policy=policy_loader())
+        except BaseException:
+            launched.abandon()
+            raise
+    launched.go()
     if not capture_output:
         early = _exit_before_first_connection(launched)
         if early is not None:
@@ -810,20 +844,23 @@ def write_err(line: str) -> None:
 
 def run_command(args: Any, argv: list[str]) -> int:
     """`egressbox run`: the CLI front of run_sync (no asyncio imported before the fork)."""
-    from egressbox.audit import JsonlFileSink
     from egressbox.cli import EXIT_USAGE
     from egressbox.errors import AuditError
 
     options = _cli_options(args, argv)
     if options is None:
         return EXIT_USAGE
+    audit: AuditSink | None = None
     try:
-        audit = JsonlFileSink(args.audit_log) if args.audit_log else None
+        if args.audit_log:
+            from egressbox.audit import JsonlFileSink  # only then: it costs ~5 ms
+
+            audit = JsonlFileSink(args.audit_log)
     except AuditError as exc:
         write_err(f"--audit-log: {exc}")
         return EXIT_USAGE
     try:
-        result = _run_reporting_errors(options, audit, quiet=args.quiet)
+        result = _run_reporting_errors(options, audit, args)
     finally:
         if audit is not None:
             audit.close()
@@ -837,27 +874,32 @@ def run_command(args: Any, argv: list[str]) -> int:
     return result.exit_code
 
 
-def _cli_options(args: Any, argv: list[str]) -> RunOptions | None:
+def _cli_policy(args: Any) -> Policy | None:
+    """The command line's policy (loaded while the launcher starts)."""
     from egressbox.cli import load_cli_policy
+
+    policy = load_cli_policy(args.policy)
+    if policy is not None and args.report_only:
+        from egressbox.policy import Mode
+        from egressbox.suggest import with_mode
+
+        policy = with_mode(policy, Mode.REPORT)
+        write_err("warning: report mode lets names outside the allow list through")
+    return policy
+
+
+def _cli_options(args: Any, argv: list[str]) -> RunOptions | None:
     from egressbox.confine.env import parse_grant
-    from egressbox.errors import PolicyError
 
     try:
-        policy = load_cli_policy(args.policy)
-        if policy is not None and args.report_only:
-            from egressbox.policy import Mode
-            from egressbox.suggest import with_mode
-
-            policy = with_mode(policy, Mode.REPORT)
-            write_err("warning: report mode lets names outside the allow list through")
         grants = dict(parse_grant(text) for text in args.grant)
         servers = _nameservers(args.nameserver)
-    except (PolicyError, ValueError) as exc:
+    except ValueError as exc:
         write_err(str(exc))
         return None
     return RunOptions(
         argv=tuple(argv),
-        policy=policy,
+        policy=None,
         profile=Profile(args.profile),
         write_roots=tuple(args.write_root),
         read_roots=tuple(args.read_root),
@@ -883,10 +925,22 @@ def _diagnostic(line: str) -> None:
 
 
 def _run_reporting_errors(
-    options: RunOptions, audit: AuditSink | None, *, quiet: bool
+    options: RunOptions, audit: AuditSink | None, args: Any
 ) -> RunResult | int:
+    from egressbox.errors import PolicyError
+
     try:
-        return run_options_sync(options, audit=audit, log=None if quiet else _diagnostic)
+        return run_options_sync(
+            options,
+            audit=audit,
+            log=None if args.quiet else _diagnostic,
+            policy_loader=lambda: _cli_policy(args),
+        )
+    except PolicyError as exc:
+        from egressbox.cli import EXIT_USAGE, print_policy_error
+
+        print_policy_error(exc, sys.stderr)
+        return EXIT_USAGE
     except RunRefusedError as exc:
         for refusal in exc.refusals:
             write_err(refusal.message())

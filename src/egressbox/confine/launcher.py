@@ -127,9 +127,13 @@ def _preload(plan: LaunchPlan) -> None:
     """
     import resource
 
-    from egressbox.confine import caps, landlock, landlock_apply, mounts, seccomp, syscalls
+    from egressbox.confine import caps, landlock, landlock_apply, mounts, syscalls
 
-    del caps, landlock, landlock_apply, mounts, seccomp, syscalls, resource
+    del caps, landlock, landlock_apply, mounts, syscalls, resource
+    if plan.has(Mechanism.SECCOMP) and not plan.seccomp_program:
+        from egressbox.confine import seccomp
+
+        del seccomp
     del plan
 
 
@@ -159,6 +163,7 @@ def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
     _unshare(plan)
     ports = _listeners(plan, chan)
     _PROGRESS.listening_sent = True
+    _await_go(chan)
     env = _fill_ports(plan, ports)
     if plan.has(Mechanism.PID_NAMESPACE):
         launcher = os.getpid()
@@ -228,6 +233,17 @@ def _listeners(plan: LaunchPlan, chan: socket.socket) -> tuple[int, ...]:
         # Our copies would keep the namespace's listeners alive after the parent closes its own.
         sock.close()
     return ports
+
+
+def _await_go(chan: socket.socket) -> None:
+    """Start the command only on the parent's word: it loads the policy while
+    we set up, and gives up (closing the channel) if the policy is bad."""
+    try:
+        word = chan.recv(16)
+    except OSError:
+        word = b""
+    if word != b"go":
+        os._exit(EXIT_CANNOT_CONFINE)  # nothing ran; the parent says why
 
 
 def _fill_ports(plan: LaunchPlan, ports: tuple[int, ...]) -> dict[str, str]:
@@ -335,9 +351,9 @@ def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any) -> None:
     _landlock(plan, ports)
     _close_fds(plan.pass_fds)
     if plan.seccomp_program and plan.has(Mechanism.SECCOMP):
-        from egressbox.confine.seccomp import load_program
+        from egressbox.confine.syscalls import load_seccomp_program
 
-        load_program(plan.seccomp_program)  # raises: never exec without it
+        load_seccomp_program(plan.seccomp_program)  # raises: never exec without it
         return
     if prepared is None:
         _no_new_privs()

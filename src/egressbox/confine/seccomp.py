@@ -848,22 +848,7 @@ def cached_filter(
 
 
 def load_program(program: bytes) -> None:
-    """Load a compiled filter into this (single-threaded) process; raises OSError.
+    """Load a compiled filter (see syscalls.load_seccomp_program)."""
+    from egressbox.confine.syscalls import load_seccomp_program
 
-    Sets no_new_privs first, as seccomp requires of an unprivileged caller.
-    """
-    import ctypes
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
-
-    count = len(program) // _SOCK_FILTER_SIZE
-    buffer = ctypes.create_string_buffer(program, len(program))
-    prog = SockFprog(count, ctypes.cast(buffer, ctypes.c_void_p))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(err)}")
-    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_SECCOMP): {os.strerror(err)}")
+    load_seccomp_program(program)

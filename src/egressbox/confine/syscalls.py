@@ -150,3 +150,25 @@ def capget() -> tuple[int, int, int]:
     permitted = data[0].permitted | (data[1].permitted << 32)
     inheritable = data[0].inheritable | (data[1].inheritable << 32)
     return effective, permitted, inheritable
+
+
+# seccomp(2) through prctl: enough for the single-threaded command process,
+# and it keeps the launcher's last step free of the seccomp module's imports.
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+_SOCK_FILTER_SIZE = 8  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+
+
+def load_seccomp_program(program: bytes) -> None:
+    """Set no_new_privs, then load a classic-BPF seccomp program; raises OSError."""
+    if not program or len(program) % _SOCK_FILTER_SIZE:
+        raise OSError(22, "not a seccomp BPF program")
+    buffer = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // _SOCK_FILTER_SIZE, ctypes.cast(buffer, ctypes.c_void_p))
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog))
