@@ -132,31 +132,33 @@ def _add_run(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--profile",
-        default="workspace_paths",
+        default=None,
         choices=["unrestricted", "workspace_paths", "worktree", "os_hardened"],
-        help="how strictly to confine (default workspace_paths; os_hardened refuses to run "
-        "without every mechanism)",
+        help="how strictly to confine (default: [process] profile of --policy, else "
+        "workspace_paths; os_hardened refuses to run without every mechanism)",
     )
     p.add_argument(
         "--read-root",
         action="append",
         default=[],
         metavar="PATH",
-        help="a directory the command may read (repeatable)",
+        help="a directory the command may read (repeatable; added to [filesystem] read_roots)",
     )
     p.add_argument(
         "--write-root",
         action="append",
         default=[],
         metavar="PATH",
-        help="a directory the command may write (repeatable; default: the current directory)",
+        help="a directory the command may write (repeatable; added to [filesystem] write_roots; "
+        "default: the current directory)",
     )
     p.add_argument(
         "--env",
         dest="env_policy",
-        default="inherited",
+        default=None,
         choices=["inherited", "isolated", "granted"],
-        help="which environment variables pass to the command",
+        help="which environment variables pass to the command (default: [env] policy of "
+        "--policy, else inherited)",
     )
     p.add_argument(
         "--grant",
@@ -178,6 +180,14 @@ def _add_run(sub: Subparsers) -> None:
         metavar="N",
         help="keep descriptor N open in the command (repeatable)",
     )
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="stop the command after SECONDS (SIGTERM, SIGKILL 5 s later); the exit code is "
+        "then 124 (default: [process] timeout of --policy, else none)",
+    )
     p.add_argument("--audit-log", metavar="FILE", help="append audit records to FILE")
     p.add_argument(
         "--report-only",
@@ -192,6 +202,16 @@ def _add_run(sub: Subparsers) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no per-connection lines")
     _add_nameserver(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
 
 
 def _add_check(sub: Subparsers) -> None:

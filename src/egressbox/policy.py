@@ -10,27 +10,22 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from egressbox import limits as lim
 from egressbox.addresses import PRIVATE_LIKE, is_routable, lookup
 from egressbox.errors import HostError, PolicyError
-from egressbox.hosts import IPAddress, parse_ip_endpoint
-from egressbox.rules import (
-    CidrIndex,
-    IPNetwork,
-    PatternError,
-    Rule,
-    RuleKind,
-    RuleSet,
-    min_prefix,
-    parse_network,
-    parse_pattern,
-)
+
+if TYPE_CHECKING:
+    # Imported where used: hosts and rules load idna (~10 ms), which
+    # load_run_settings() (read by `egressbox run` before its fork) must not pay for.
+    from egressbox.hosts import IPAddress
+    from egressbox.rules import CidrIndex, IPNetwork, Rule, RuleSet
 
 N = TypeVar("N", int, float)
 
@@ -51,12 +46,71 @@ class DnsSettings:
     max_ttl: float = lim.DNS_MAX_TTL
 
 
+def _rule_set() -> RuleSet:
+    from egressbox.rules import RuleSet
+
+    return RuleSet()
+
+
+def _cidr_index() -> CidrIndex[IPNetwork]:
+    from egressbox.rules import CidrIndex
+
+    return CidrIndex()
+
+
+# [process], [filesystem] and [env]: defaults for `egressbox run` (flags win or add).
+PROFILES = ("unrestricted", "workspace_paths", "worktree", "os_hardened")
+PRESETS = ("system_runtime", "developer_toolchains", "package_manager_config", "user_temp")
+ENV_POLICIES = ("inherited", "isolated", "granted")
+MAX_TIMEOUT = 7 * 24 * 3600.0
+RLIMIT_NOFILE_BOUNDS = (16, 1048576)
+MIN_RLIMIT_AS = 64 * 1024 * 1024
+_GRANT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSettings:
+    """[process]; None: not set (run's own default applies)."""
+
+    profile: str | None = None
+    timeout: float | None = None
+    rlimit_nofile: int | None = None
+    rlimit_as: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FilesystemSettings:
+    """[filesystem]; paths as written (`~` is expanded by run against the caller's HOME)."""
+
+    read_roots: tuple[str, ...] = ()
+    write_roots: tuple[str, ...] = ()
+    presets: tuple[str, ...] = PRESETS
+    deny: tuple[str, ...] = ()  # added to the built-in credential list
+
+
+@dataclass(frozen=True, slots=True)
+class EnvSettings:
+    """[env]; grant holds (NAME, VALUE) pairs, VALUE None: pass the caller's value."""
+
+    policy: str | None = None
+    grant: tuple[tuple[str, str | None], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """The tables `egressbox run` needs before its fork (see load_run_settings)."""
+
+    process: ProcessSettings = field(default_factory=ProcessSettings)
+    filesystem: FilesystemSettings = field(default_factory=FilesystemSettings)
+    env: EnvSettings = field(default_factory=EnvSettings)
+
+
 @dataclass(frozen=True, eq=False)
 class Policy:
     """A validated policy. Build it with parse_policy() or load_policy()."""
 
-    allow: RuleSet = field(default_factory=RuleSet)
-    deny: RuleSet = field(default_factory=RuleSet)
+    allow: RuleSet = field(default_factory=_rule_set)
+    deny: RuleSet = field(default_factory=_rule_set)
     allow_cidrs: tuple[IPNetwork, ...] = ()
     deny_cidrs: tuple[IPNetwork, ...] = ()
     allow_private: bool = False
@@ -65,14 +119,21 @@ class Policy:
     limits: lim.Limits = field(default_factory=lim.Limits)
     source: str = ""
     warnings: tuple[str, ...] = ()
-    _allow_cidr_index: CidrIndex[IPNetwork] = field(default_factory=CidrIndex, repr=False)
-    _deny_cidr_index: CidrIndex[IPNetwork] = field(default_factory=CidrIndex, repr=False)
+    process: ProcessSettings = field(default_factory=ProcessSettings)
+    filesystem: FilesystemSettings = field(default_factory=FilesystemSettings)
+    env: EnvSettings = field(default_factory=EnvSettings)
+    _allow_cidr_index: CidrIndex[IPNetwork] = field(default_factory=_cidr_index, repr=False)
+    _deny_cidr_index: CidrIndex[IPNetwork] = field(default_factory=_cidr_index, repr=False)
 
     def __post_init__(self) -> None:
         for net in self.allow_cidrs:
             self._allow_cidr_index.add(net, net)
         for net in self.deny_cidrs:
             self._deny_cidr_index.add(net, net)
+
+    @property
+    def run_settings(self) -> RunSettings:
+        return RunSettings(self.process, self.filesystem, self.env)
 
     def allow_cidr_for(self, ip: IPAddress) -> IPNetwork | None:
         return self._allow_cidr_index.first(ip)
@@ -83,13 +144,34 @@ class Policy:
 
 EGRESS_KEYS = ("allow", "deny", "allow_cidrs", "deny_cidrs", "allow_private", "mode")
 DNS_KEYS = ("nameservers", "timeout", "cache_size", "max_ttl")
-TOP_KEYS = ("egress", "dns", "limits")
+PROCESS_KEYS = ("profile", "timeout", "rlimit_nofile", "rlimit_as")
+FILESYSTEM_KEYS = ("read_roots", "write_roots", "presets", "deny")
+ENV_KEYS = ("policy", "grant")
+TOP_KEYS = ("egress", "dns", "limits", "process", "filesystem", "env")
 RULE_TABLE_KEYS = ("host", "private", "broad")
 CIDR_TABLE_KEYS = ("cidr", "broad")
 
 
 def load_policy(path: str, *, env: Mapping[str, str] | None = None) -> Policy:
     """Read and validate a policy file; PolicyError lists every problem."""
+    return parse_policy(_read_toml(path), source=path, env=env)
+
+
+def load_run_settings(path: str) -> RunSettings:
+    """Only [process], [filesystem] and [env] of a policy file, validated as load_policy does.
+
+    Cheap (no idna, no rules): `egressbox run` reads them before it forks the
+    launcher; the whole policy is loaded (and fully checked) afterwards.
+    """
+    data = _read_toml(path)
+    parser = _Parser(path)
+    settings = parser.run_settings(data)
+    if parser.problems:
+        raise PolicyError(parser.problems, path)
+    return settings
+
+
+def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -107,7 +189,7 @@ def load_policy(path: str, *, env: Mapping[str, str] | None = None) -> Policy:
             ],
             path,
         ) from None
-    return parse_policy(data, source=path, env=env)
+    return data
 
 
 def parse_policy(
@@ -154,6 +236,8 @@ class _Parser:
         return value
 
     def policy(self, data: Mapping[str, Any], env: Mapping[str, str]) -> Policy:
+        from egressbox.rules import RuleSet
+
         self.unknown_keys(data, TOP_KEYS, "")
         egress = self.table(data, "egress")
         self.unknown_keys(egress, EGRESS_KEYS, "egress.")
@@ -163,6 +247,7 @@ class _Parser:
         deny_cidrs = self.cidrs(egress, "deny_cidrs", check_breadth=False)
         allow_private = self.boolean(egress, "allow_private", "egress.allow_private")
         mode = self.mode(egress)
+        settings = self.run_settings(data)
         policy = Policy(
             allow=RuleSet.build(allow),
             deny=RuleSet.build(deny),
@@ -172,6 +257,9 @@ class _Parser:
             mode=mode,
             dns=self.dns(self.table(data, "dns")),
             limits=self.limits(self.table(data, "limits")),
+            process=settings.process,
+            filesystem=settings.filesystem,
+            env=settings.env,
             source=self.source,
         )
         self.warn_about(policy)
@@ -202,6 +290,8 @@ class _Parser:
         return [rule for _, rule in kept]
 
     def rule(self, entry: object, path: str, key: str) -> Rule | None:
+        from egressbox.rules import PatternError, parse_pattern
+
         private = broad = False
         if isinstance(entry, dict):
             self.unknown_keys(entry, RULE_TABLE_KEYS, path + ".")
@@ -241,6 +331,8 @@ class _Parser:
         return [net for net in found if net is not None]
 
     def cidr(self, entry: object, path: str, check_breadth: bool) -> IPNetwork | None:
+        from egressbox.rules import PatternError, min_prefix, parse_network
+
         broad = False
         if isinstance(entry, dict) and check_breadth:
             self.unknown_keys(entry, CIDR_TABLE_KEYS, path + ".")
@@ -316,6 +408,8 @@ class _Parser:
         )
 
     def nameserver(self, entry: object, path: str) -> tuple[IPAddress, int] | None:
+        from egressbox.hosts import parse_ip_endpoint
+
         if not isinstance(entry, str):
             self.problem(path, f'must be a string "IP[:PORT]", got {_type_name(entry)}')
             return None
@@ -362,6 +456,188 @@ class _Parser:
             return default
         return kind(value)
 
+    # -- [process], [filesystem], [env] ----------------------------------------------
+
+    def run_settings(self, data: Mapping[str, Any]) -> RunSettings:
+        """The run tables; needs neither hosts nor rules (see load_run_settings)."""
+        return RunSettings(
+            self.process(self.table(data, "process")),
+            self.filesystem(self.table(data, "filesystem")),
+            self.env(self.table(data, "env")),
+        )
+
+    def process(self, table: Mapping[str, Any]) -> ProcessSettings:
+        self.unknown_keys(table, PROCESS_KEYS, "process.")
+        profile = self.choice(table, "profile", "process", PROFILES)
+        timeout = self.optional_number(
+            table,
+            "timeout",
+            "process",
+            kind=float,
+            minimum=0.0,
+            maximum=MAX_TIMEOUT,
+            exclusive=True,
+            unit="seconds (7 days)",
+            example="timeout = 600",
+        )
+        low, high = RLIMIT_NOFILE_BOUNDS
+        nofile = self.optional_number(
+            table,
+            "rlimit_nofile",
+            "process",
+            kind=int,
+            minimum=low,
+            maximum=high,
+            unit="descriptors",
+            example="rlimit_nofile = 4096",
+        )
+        address_space = self.optional_number(
+            table,
+            "rlimit_as",
+            "process",
+            kind=int,
+            minimum=MIN_RLIMIT_AS,
+            maximum=None,
+            unit="bytes (64 MiB)",
+            example="rlimit_as = 4294967296 for 4 GiB",
+        )
+        return ProcessSettings(
+            profile=profile,
+            timeout=None if timeout is None else float(timeout),
+            rlimit_nofile=None if nofile is None else int(nofile),
+            rlimit_as=None if address_space is None else int(address_space),
+        )
+
+    def filesystem(self, table: Mapping[str, Any]) -> FilesystemSettings:
+        self.unknown_keys(table, FILESYSTEM_KEYS, "filesystem.")
+        presets: tuple[str, ...] = PRESETS
+        if "presets" in table:
+            names = self.string_list(table, "presets", "filesystem", '["system_runtime"]')
+            presets = tuple(
+                dict.fromkeys(
+                    n
+                    for i, n in enumerate(names)
+                    if self.known_name(n, f"filesystem.presets[{i}]", PRESETS)
+                )
+            )
+        return FilesystemSettings(
+            read_roots=self.paths(table, "read_roots"),
+            write_roots=self.paths(table, "write_roots"),
+            presets=presets,
+            deny=self.paths(table, "deny"),
+        )
+
+    def env(self, table: Mapping[str, Any]) -> EnvSettings:
+        self.unknown_keys(table, ENV_KEYS, "env.")
+        policy = self.choice(table, "policy", "env", ENV_POLICIES)
+        grants: list[tuple[str, str | None]] = []
+        for i, text in enumerate(self.string_list(table, "grant", "env", '["CI", "LANG=C"]')):
+            name, sep, value = text.partition("=")
+            if not _GRANT_NAME.fullmatch(name):
+                self.problem(
+                    f"env.grant[{i}]",
+                    f'{text!r} is not "NAME" or "NAME=VALUE" (NAME: letters, digits and _, '
+                    'not starting with a digit); e.g. "CI" or "LANG=C.UTF-8"',
+                )
+                continue
+            grants.append((name, value if sep else None))
+        return EnvSettings(policy=policy, grant=tuple(grants))
+
+    def choice(
+        self, table: Mapping[str, Any], key: str, prefix: str, names: Sequence[str]
+    ) -> str | None:
+        if key not in table:
+            return None
+        value = table[key]
+        path = f"{prefix}.{key}"
+        if not isinstance(value, str):
+            self.problem(
+                path, f"must be a string, one of {_quoted(names)}; got {_type_name(value)}"
+            )
+            return None
+        return value if self.known_name(value, path, names) else None
+
+    def known_name(self, value: str, path: str, names: Sequence[str]) -> bool:
+        if value in names:
+            return True
+        close = difflib.get_close_matches(value, names, n=1)
+        hint = f'did you mean "{close[0]}"? ' if close else ""
+        self.problem(path, f"unknown value {value!r}; {hint}use one of {_quoted(names)}")
+        return False
+
+    def string_list(
+        self, table: Mapping[str, Any], key: str, prefix: str, example: str
+    ) -> list[str]:
+        value = table.get(key, [])
+        path = f"{prefix}.{key}"
+        if not isinstance(value, list):
+            self.problem(path, f"must be a list, got {_type_name(value)}; e.g. {key} = {example}")
+            return []
+        found: list[str] = []
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                found.append(item)
+            else:
+                self.problem(
+                    f"{path}[{i}]",
+                    f"must be a string, got {_type_name(item)}; e.g. {key} = {example}",
+                )
+        return found
+
+    def paths(self, table: Mapping[str, Any], key: str) -> tuple[str, ...]:
+        value = table.get(key, [])
+        path = f"filesystem.{key}"
+        example = f'{key} = ["/srv/data", "~/src"]'
+        if not isinstance(value, list):
+            self.problem(path, f"must be a list, got {_type_name(value)}; e.g. {example}")
+            return ()
+        kept: list[str] = []
+        for i, text in enumerate(value):
+            if not isinstance(text, str):
+                self.problem(
+                    f"{path}[{i}]", f"must be a string, got {_type_name(text)}; e.g. {example}"
+                )
+            elif text.startswith("/") or text == "~" or text.startswith("~/"):
+                kept.append(text)
+            else:
+                self.problem(
+                    f"{path}[{i}]",
+                    f"{text!r} is not an absolute path; write it from / (or ~/ for your home "
+                    'directory), e.g. "/srv/data" or "~/src"',
+                )
+        return tuple(kept)
+
+    def optional_number(
+        self,
+        table: Mapping[str, Any],
+        key: str,
+        prefix: str,
+        *,
+        kind: type,
+        minimum: float,
+        maximum: float | None,
+        unit: str,
+        example: str,
+        exclusive: bool = False,
+    ) -> float | None:
+        if key not in table:
+            return None
+        value = table[key]
+        path = f"{prefix}.{key}"
+        ok_type = isinstance(value, int | float) if kind is float else isinstance(value, int)
+        if isinstance(value, bool) or not ok_type:
+            wanted = "a number" if kind is float else "a whole number"
+            got = repr(value) if isinstance(value, float) else _type_name(value)
+            self.problem(path, f"must be {wanted} of {unit}, got {got}; e.g. {example}")
+            return None
+        too_low = value <= minimum if exclusive else value < minimum
+        if too_low or (maximum is not None and value > maximum):
+            low = f"more than {_bound(minimum)}" if exclusive else f"at least {_bound(minimum)}"
+            high = "" if maximum is None else f" and at most {_bound(maximum)}"
+            self.problem(path, f"must be {low}{high} {unit}, got {value}; e.g. {example}")
+            return None
+        return float(value)
+
     # -- warnings -------------------------------------------------------------------
 
     def warn_about(self, policy: Policy) -> None:
@@ -377,6 +653,8 @@ class _Parser:
             self.warnings.append(REPORT_MODE_WARNING)
 
     def warn_rule(self, policy: Policy, rule: Rule, path: str) -> None:
+        from egressbox.rules import RuleKind
+
         if rule.kind in (RuleKind.WILDCARD, RuleKind.ANY_NAME):
             self.warnings.append(
                 f'{path}: "{rule.text}" lets a client choose names that the proxy resolves, '
@@ -408,11 +686,17 @@ REPORT_MODE_WARNING = (
 
 
 def _rule_address(rule: Rule) -> IPAddress | None:
+    from egressbox.rules import RuleKind
+
     if rule.kind is RuleKind.IP:
         return ipaddress.ip_address(rule.value)
     if rule.kind is RuleKind.CIDR and rule.network is not None:
         return rule.network.network_address
     return None
+
+
+def _quoted(names: Sequence[str]) -> str:
+    return ", ".join(f'"{n}"' for n in names)
 
 
 def _bound(value: float) -> str:
@@ -426,6 +710,8 @@ def _host_cidr(text: str) -> str:
 
 
 def _too_broad(text: str, rule: Rule) -> str:
+    from egressbox.rules import RuleKind
+
     why = {
         RuleKind.ANY_NAME: "it admits every name",
         RuleKind.WILDCARD: "a one-label suffix admits a whole top-level domain",

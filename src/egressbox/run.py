@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from egressbox.confine.launcher import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND, Laun
 from egressbox.confine.plan import (
     ADMIT_HINT,
     CREDENTIALS,
+    DEFAULT_PRESETS,
     HOST_NEEDS,
     Enforcement,
     HostFacts,
@@ -53,7 +55,7 @@ from egressbox.errors import EgressboxError
 
 if TYPE_CHECKING:
     from egressbox.audit import AuditRecord, AuditSink
-    from egressbox.policy import Policy
+    from egressbox.policy import Policy, RunSettings
 
 # Directories hidden behind a private tmpfs in the child's mount namespace.
 HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
@@ -62,6 +64,10 @@ LAUNCHER_TIMEOUT = 10.0
 SCRATCH_DIR = ".egressbox"
 ENV_SANDBOX = "EGRESSBOX_SANDBOX"
 ENV_PROFILE = "EGRESSBOX_PROFILE"
+# --timeout: the run's exit code when it expires (as coreutils timeout), and
+# how long the command has after SIGTERM before it is killed.
+EXIT_TIMEOUT = 124
+KILL_GRACE = 5.0
 
 
 class RunRefusedError(EgressboxError):
@@ -86,6 +92,11 @@ class RunOptions:
     cwd: str | None = None
     base_env: Mapping[str, str] | None = None
     nameservers: tuple[tuple[str, int], ...] = ()
+    timeout: float | None = None  # seconds; then SIGTERM, SIGKILL after KILL_GRACE, exit 124
+    presets: tuple[str, ...] = DEFAULT_PRESETS
+    deny: tuple[str, ...] = ()  # read-denied paths beyond CREDENTIALS (`~` allowed)
+    rlimit_nofile: int | None = None
+    rlimit_as: int | None = None
 
 
 @dataclass(frozen=True)
@@ -99,10 +110,13 @@ class MechanismReport:
 class RefusalRecord:
     """Which boundary refused the child, when it failed."""
 
-    boundary: str  # egress | local_socket | home_read | write | unknown
+    boundary: str  # egress | local_socket | home_read | write | timeout | unknown
     destinations: tuple[str, ...] = ()
+    timeout: float | None = None  # boundary "timeout": the seconds that expired
 
     def line(self, code: int) -> str:
+        if self.boundary == "timeout":
+            return f"command exited {code}; the timeout of {self.timeout:g} s expired"
         where = f": {', '.join(self.destinations)}" if self.destinations else ""
         return f"command exited {code}; refused by {self.boundary}{where}"
 
@@ -236,9 +250,11 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     extra, warnings = _sandbox_fallback(profile, chosen, facts, base)
     if refusals or extra:
         raise RunRefusedError(refusals + extra)
+    home = base.get("HOME", os.path.expanduser("~"))
     cwd = os.path.realpath(options.cwd or os.getcwd())
-    write_roots = tuple(os.path.realpath(p) for p in options.write_roots) or (cwd,)
-    read_roots = tuple(os.path.realpath(p) for p in options.read_roots)
+    write_roots = tuple(os.path.realpath(expand_user(p, home)) for p in options.write_roots)
+    write_roots = write_roots or (cwd,)
+    read_roots = tuple(os.path.realpath(expand_user(p, home)) for p in options.read_roots)
     executable = resolve_command(options.argv[0], base, cwd)
     scratch = make_scratch(write_roots[0])
     env = child_environment(
@@ -253,13 +269,14 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     if options.allow_loopback and not {"NO_PROXY", "no_proxy"} & set(options.grants):
         # The child's own servers on its private lo are reached directly.
         env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
-    home = base.get("HOME", os.path.expanduser("~"))
+    extra_deny = tuple(os.path.normpath(expand_user(p, home)) for p in options.deny)
     fs = plan_filesystem(
         home=home,
         write_roots=write_roots,
         read_roots=read_roots,
         executables=executable.grants,
-        deny=_credential_paths(home, env.get("HOME")),
+        presets=options.presets,
+        deny=_credential_paths(home, env.get("HOME")) + extra_deny,
     )
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
@@ -281,6 +298,8 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         bind_back=bind_back,
         allow_loopback=options.allow_loopback,
         pass_fds=options.pass_fds,
+        rlimit_nofile=options.rlimit_nofile,
+        rlimit_as=options.rlimit_as,
         best_effort=profile is not Profile.OS_HARDENED,
         env_ports=templates,
         parent_pid=os.getpid(),
@@ -415,6 +434,34 @@ class Launched:
     stdout_fd: int | None = None
     stderr_fd: int | None = None
     chan: socket.socket | None = None  # to the launcher, until go() or abandon()
+    # --timeout: when the next step is due (time.monotonic()), and whether it expired.
+    due: float | None = None
+    timeout: float | None = None
+    timed_out: bool = False
+
+    def start_timer(self, timeout: float | None) -> None:
+        if timeout is not None:
+            self.timeout = timeout
+            self.due = time.monotonic() + timeout
+
+    def expire(self) -> float | None:
+        """Send the timeout's signal when due (SIGTERM, then SIGKILL after KILL_GRACE).
+
+        Returns the seconds until the next step, None when none is pending.
+        Call it only while the launcher is not yet reaped (its pid is ours).
+        """
+        if self.due is None:
+            return None
+        left = self.due - time.monotonic()
+        if left > 0:
+            return left
+        if self.timed_out:
+            signum, self.due = signal.SIGKILL, None
+        else:
+            signum, self.due, self.timed_out = signal.SIGTERM, time.monotonic() + KILL_GRACE, True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signum)
+        return None if self.due is None else KILL_GRACE
 
     def go(self) -> None:
         """Let the launcher start the command."""
@@ -531,14 +578,13 @@ async def supervise(
     loop = asyncio.get_running_loop()
     readers = [_collect(fd) for fd in (launched.stdout_fd, launched.stderr_fd)]
     try:
-        code = await _wait_forwarding(loop, launched.pid)
+        code = await _wait_forwarding(loop, launched)
         outputs = [await r for r in readers]
     finally:
         await proxy.close(0)
-    result = RunResult(code, list(proxy.records), prepared.report, warnings=prepared.warnings)
+    result = _result(code, list(proxy.records), prepared, launched)
+    result.warnings = prepared.warnings
     result.stdout, result.stderr = outputs
-    if code != 0:
-        result.refusal = classify_refusal(result.records, code)
     return result
 
 
@@ -566,11 +612,19 @@ async def _collect(fd: int | None) -> bytes | None:
     return b"".join(chunks)
 
 
-async def _wait_forwarding(loop: Any, pid: int) -> int:
+async def _wait_forwarding(loop: Any, launched: Launched) -> int:
     """Wait for the launcher (pidfd), passing SIGINT/SIGTERM/SIGHUP on to it."""
     import asyncio
 
     from egressbox.confine.launcher import FORWARDED
+
+    pid = launched.pid
+    timer: list[Any] = []
+
+    def expire() -> None:
+        delay = launched.expire()
+        if delay is not None:
+            timer[:] = [loop.call_later(delay, expire)]
 
     def forward(signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -584,9 +638,12 @@ async def _wait_forwarding(loop: Any, pid: int) -> int:
     pidfd = os.pidfd_open(pid)
     exited = loop.create_future()
     loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    expire()
     try:
         await exited
     finally:
+        for handle in timer:
+            handle.cancel()
         loop.remove_reader(pidfd)
         os.close(pidfd)
         for signum in installed:
@@ -613,34 +670,80 @@ def options_for(
     cmd: Sequence[str],
     *,
     policy: Policy | None,
-    profile: Profile | str = Profile.WORKSPACE_PATHS,
+    profile: Profile | str | None = None,
     write_roots: Sequence[str] = (),
     read_roots: Sequence[str] = (),
-    env: EnvPolicy | str = EnvPolicy.INHERITED,
+    env: EnvPolicy | str | None = None,
     grants: Mapping[str, str | None] | None = None,
     allow_loopback: bool = False,
     pass_fds: Sequence[int] = (),
     cwd: str | None = None,
     base_env: Mapping[str, str] | None = None,
     nameservers: Sequence[tuple[str, int]] = (),
+    timeout: float | None = None,
 ) -> RunOptions:
-    """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined()."""
+    """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined().
+
+    The policy's [process], [filesystem] and [env] tables are the defaults:
+    `profile`, `env` and `timeout` win over them, roots and grants add to them.
+    """
     if not cmd:
         raise ValueError("cmd must name a program")
     return RunOptions(
         argv=tuple(cmd),
         policy=policy,
-        profile=Profile(profile),
-        write_roots=tuple(write_roots),
-        read_roots=tuple(read_roots),
-        env_policy=EnvPolicy(env),
-        grants=dict(grants or {}),
         allow_loopback=allow_loopback,
         pass_fds=tuple(pass_fds),
         cwd=cwd,
         base_env=base_env,
         nameservers=tuple(nameservers),
+        **with_settings(
+            policy.run_settings if policy is not None else None,
+            profile=profile,
+            env=env,
+            write_roots=write_roots,
+            read_roots=read_roots,
+            grants=grants or {},
+            timeout=timeout,
+        ),
     )
+
+
+def with_settings(
+    settings: RunSettings | None,
+    *,
+    profile: Profile | str | None,
+    env: EnvPolicy | str | None,
+    write_roots: Sequence[str],
+    read_roots: Sequence[str],
+    grants: Mapping[str, str | None],
+    timeout: float | None,
+) -> dict[str, Any]:
+    """RunOptions fields from the policy's run tables and the caller's choices.
+
+    The caller's profile, environment policy and timeout win; its roots come
+    first (the first writable root holds the scratch space) and its grants
+    override the table's for the same name.
+    """
+    if settings is None:
+        from egressbox.policy import RunSettings
+
+        settings = RunSettings()
+    process, fs, table_env = settings.process, settings.filesystem, settings.env
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be more than 0 seconds, got {timeout}")
+    return {
+        "profile": Profile(profile or process.profile or Profile.WORKSPACE_PATHS),
+        "env_policy": EnvPolicy(env or table_env.policy or EnvPolicy.INHERITED),
+        "write_roots": tuple(dict.fromkeys((*write_roots, *fs.write_roots))),
+        "read_roots": tuple(dict.fromkeys((*read_roots, *fs.read_roots))),
+        "grants": dict(table_env.grant) | dict(grants),
+        "timeout": timeout if timeout is not None else process.timeout,
+        "presets": fs.presets,
+        "deny": fs.deny,
+        "rlimit_nofile": process.rlimit_nofile,
+        "rlimit_as": process.rlimit_as,
+    }
 
 
 def _warn(prepared: Prepared) -> None:
@@ -669,8 +772,9 @@ def _exit_before_first_connection(launched: Launched) -> int | None:
         while True:
             try:
                 watched = [pidfd, *(sock.fileno() for sock in launched.listeners)]
-                ready, _, _ = select.select(watched, [], [])
-                break
+                ready, _, _ = select.select(watched, [], [], launched.expire())
+                if ready:
+                    break
             except InterruptedError:
                 continue
     finally:
@@ -685,7 +789,13 @@ def _exit_before_first_connection(launched: Launched) -> int | None:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _result(code: int, records: list[AuditRecord], prepared: Prepared) -> RunResult:
+def _result(
+    code: int, records: list[AuditRecord], prepared: Prepared, launched: Launched
+) -> RunResult:
+    if launched.timed_out:
+        result = RunResult(EXIT_TIMEOUT, records, prepared.report)
+        result.refusal = RefusalRecord("timeout", timeout=launched.timeout)
+        return result
     result = RunResult(code, records, prepared.report)
     if code != 0:
         result.refusal = classify_refusal(records, code)
@@ -699,6 +809,7 @@ def _start(
     _warn(prepared)
     launched = spawn(prepared, capture_output=capture_output)
     launched.go()
+    launched.start_timer(options.timeout)
     return prepared, launched
 
 
@@ -726,10 +837,11 @@ def run_options_sync(
             launched.abandon()
             raise
     launched.go()
+    launched.start_timer(options.timeout)
     if not capture_output:
         early = _exit_before_first_connection(launched)
         if early is not None:
-            return _result(early, [], prepared)
+            return _result(early, [], prepared, launched)
     from egressbox.serve import run_loop
 
     holder: list[RunResult] = []
@@ -847,7 +959,10 @@ def run_command(args: Any, argv: list[str]) -> int:
     from egressbox.cli import EXIT_USAGE
     from egressbox.errors import AuditError
 
-    options = _cli_options(args, argv)
+    settings = _cli_run_settings(args)
+    if isinstance(settings, int):
+        return settings
+    options = _cli_options(args, argv, settings)
     if options is None:
         return EXIT_USAGE
     audit: AuditSink | None = None
@@ -888,26 +1003,50 @@ def _cli_policy(args: Any) -> Policy | None:
     return policy
 
 
-def _cli_options(args: Any, argv: list[str]) -> RunOptions | None:
+def _cli_run_settings(args: Any) -> RunSettings | int | None:
+    """--policy's [process], [filesystem] and [env], read before the fork (they shape
+    the sandbox); the rest of the policy loads while the launcher starts."""
+    if not args.policy:
+        return None
+    from egressbox.errors import PolicyError
+    from egressbox.policy import load_run_settings
+
+    try:
+        return load_run_settings(args.policy)
+    except PolicyError as exc:
+        from egressbox.cli import EXIT_USAGE, print_policy_error
+
+        print_policy_error(exc, sys.stderr)
+        return EXIT_USAGE
+
+
+def _cli_options(
+    args: Any, argv: list[str], settings: RunSettings | None = None
+) -> RunOptions | None:
     from egressbox.confine.env import parse_grant
 
     try:
         grants = dict(parse_grant(text) for text in args.grant)
         servers = _nameservers(args.nameserver)
+        chosen = with_settings(
+            settings,
+            profile=args.profile,
+            env=args.env_policy,
+            write_roots=args.write_root,
+            read_roots=args.read_root,
+            grants=grants,
+            timeout=args.timeout,
+        )
     except ValueError as exc:
         write_err(str(exc))
         return None
     return RunOptions(
         argv=tuple(argv),
         policy=None,
-        profile=Profile(args.profile),
-        write_roots=tuple(args.write_root),
-        read_roots=tuple(args.read_root),
-        env_policy=EnvPolicy(args.env_policy),
-        grants=grants,
         allow_loopback=args.allow_loopback,
         pass_fds=tuple(args.pass_fd),
         nameservers=servers,
+        **chosen,
     )
 
 
