@@ -48,7 +48,9 @@ LISTEN_BACKLOG = 1024
 
 
 def stderr_log(line: str) -> None:
-    print(f"egressbox: {line}", file=sys.stderr, flush=True)
+    # stderr only: stdout carries nothing but the ready line (and records on request).
+    sys.stderr.write(f"egressbox: {line}\n")
+    sys.stderr.flush()
 
 
 @dataclass
