@@ -69,10 +69,15 @@ class ProxyState:
     connections: set[Connection] = field(default_factory=set)
     tunnels: set[Tunnel] = field(default_factory=set)
     accepting: bool = True
+    # Connections the descriptor limit leaves room for (see fd_capacity).
+    fd_capacity: int = 1 << 62
 
     def over_limit(self) -> bool:
-        """True when one more connection would exceed max_connections (asked before adding it)."""
-        return len(self.connections) + len(self.tunnels) >= self.limits.max_connections
+        """True when one more connection would exceed max_connections or the fd budget
+        (asked before adding it): an excess client is refused with 503 and audited,
+        instead of the process running into EMFILE."""
+        capacity = min(self.limits.max_connections, self.fd_capacity)
+        return len(self.connections) + len(self.tunnels) >= capacity
 
     def emit(self, record: AuditRecord) -> None:
         """Write one audit record; on failure stop admitting anything (and say why)."""
@@ -239,6 +244,24 @@ class Connection(asyncio.Protocol):
         )
 
 
+# Descriptors kept free of connections: listeners, the audit log, DNS
+# sockets, the relay's pipe pool (64 pipes = 128 fds) and some slack.
+FD_RESERVE = 256
+
+
+def fd_capacity(nofile: int) -> int:
+    """How many connections fit in `nofile` descriptors: two each (client and
+    upstream), after FD_RESERVE. At least 1, so a tiny limit still serves."""
+    return max(1, (nofile - FD_RESERVE) // 2)
+
+
+def _soft_nofile() -> int:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
 def _watch_tunnel(
     state: ProxyState, tunnel: Tunnel, protocol: AuditProtocol, decision: Decision
 ) -> None:
@@ -339,6 +362,7 @@ class EgressProxy:
             await self.close(0)
             raise
         self.state.self_endpoints = self._self_endpoints()
+        self.state.fd_capacity = fd_capacity(_soft_nofile())
 
     def _sockets(self, kind: str) -> list[socket.socket]:
         given = self._given[kind]
