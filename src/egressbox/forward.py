@@ -116,7 +116,10 @@ async def _next_head(conn: HttpConnection, client: Client) -> http1.RequestHead 
     timeout = limits.idle_timeout  # waiting for a new request may take a while...
     while True:
         try:
-            data = await asyncio.wait_for(client.read(), timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for wraps every
+            # read in a new Task, a cost paid per request.
+            async with asyncio.timeout(timeout):
+                data = await client.read()
         except TimeoutError:
             return None
         if not data:
@@ -168,7 +171,13 @@ async def _exchange(
     up_reader, up_writer = upstream
     up_writer.write(http1.forward_head(head))
     body = http1.RequestBodyReader(head.body)
-    pump = asyncio.get_running_loop().create_task(_pump_body(client, body, up_writer))
+    loop = asyncio.get_running_loop()
+    pump: asyncio.Future[None]
+    if body.done:  # no body (most GETs): no Task to start
+        pump = loop.create_future()
+        pump.set_result(None)
+    else:
+        pump = loop.create_task(_pump_body(client, body, up_writer))
     try:
         sent = await _relay_response(conn, head, up_reader, client, (pump, body))
     finally:
@@ -210,7 +219,7 @@ async def _relay_response(
     head: http1.RequestHead,
     up_reader: asyncio.StreamReader,
     client: Client,
-    request_body: tuple[asyncio.Task[None], http1.RequestBodyReader],
+    request_body: tuple[asyncio.Future[None], http1.RequestBodyReader],
 ) -> _Sent:
     """Upstream response -> client: how it went out (see `_Sent`).
 
@@ -230,7 +239,8 @@ async def _relay_response(
             # The client's body was malformed or cut short: nothing more to do.
             raise _DoneError
         try:
-            data = await asyncio.wait_for(up_reader.read(READ_SIZE), idle)
+            async with asyncio.timeout(idle):
+                data = await up_reader.read(READ_SIZE)
         except TimeoutError:
             raise _DoneError from None
         try:
