@@ -17,13 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from ipaddress import IPv4Address, IPv6Address, ip_address
-from typing import Any
 
 import pytest
-import uvloop
 
 from egressbox.dial import (
     DialError,
@@ -33,16 +31,10 @@ from egressbox.dial import (
     interleave_families,
 )
 from egressbox.errors import EgressboxError
+from loops import LOOPS, Runner, Scenario
 
 pytestmark = pytest.mark.timeout(60)
 
-Scenario = Callable[[], Coroutine[Any, Any, None]]
-Runner = Callable[[Scenario], None]
-
-LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-    "asyncio": asyncio.new_event_loop,
-    "uvloop": uvloop.new_event_loop,
-}
 V4 = ip_address("127.0.0.1")
 V6 = ip_address("::1")
 # Generous for a connection on loopback.

@@ -15,12 +15,11 @@ import os
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import pytest
-import uvloop
 
 from egressbox.relay import (
     MAX_READ,
@@ -35,16 +34,10 @@ from egressbox.relay import (
     relay,
     take_socket,
 )
+from loops import LOOPS, Runner, Scenario
 
 pytestmark = pytest.mark.timeout(60)
 
-Scenario = Callable[[], Coroutine[Any, Any, None]]
-Runner = Callable[[Scenario], None]
-
-LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-    "asyncio": asyncio.new_event_loop,
-    "uvloop": uvloop.new_event_loop,
-}
 # Bytes before splice: None never, 0 from the start, 64 KiB mid-stream.
 THRESHOLDS: dict[str, int | None] = {"protocol": None, "splice": 0, "hybrid": 64 * 1024}
 MODES = list(THRESHOLDS)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from egressbox.audit import AuditSink, JsonlFileSink, StreamSink
-from egressbox.cli import EXIT_OK, EXIT_START, EXIT_USAGE, make_resolver
+from egressbox.cli import EXIT_OK, EXIT_START, EXIT_USAGE, make_resolver, print_policy_error
 from egressbox.errors import AuditError, PolicyError
 from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
 from egressbox.resolve import parse_nameserver
@@ -62,23 +62,25 @@ def run_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
         return runner.run(main())
 
 
+def _fail(message: str, code: int) -> int:
+    # stderr only: stdout carries nothing but the ready line (and records on request).
+    stderr_log(message)
+    return code
+
+
 def serve(options: ServeOptions) -> int:
     try:
         policy = load_policy(options.policy_path)
     except PolicyError as exc:
-        print(f"{exc.source or 'policy'}: {len(exc.problems)} problem(s):", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        print_policy_error(exc, sys.stderr)
         return EXIT_USAGE
     try:
         servers = [parse_nameserver(text) for text in options.nameservers]
     except ValueError as exc:
-        print(f"egressbox: --nameserver: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(f"--nameserver: {exc}", EXIT_USAGE)
     usage = usage_problem(options)
     if usage:
-        print(f"egressbox: {usage}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(usage, EXIT_USAGE)
     if options.report_only:
         policy = with_mode(policy, Mode.REPORT)
     if policy.mode is Mode.REPORT:
@@ -87,8 +89,7 @@ def serve(options: ServeOptions) -> int:
     try:
         audit = open_audit(options)
     except (AuditError, ValueError) as exc:
-        print(f"egressbox: --audit-log: {exc}", file=sys.stderr)
-        return EXIT_START
+        return _fail(f"--audit-log: {exc}", EXIT_START)
     try:
         return run_loop(lambda: _serve(options, policy, servers, audit))
     finally:
@@ -141,8 +142,7 @@ async def _serve(
     try:
         await proxy.start()
     except (OSError, ValueError) as exc:
-        print(f"egressbox: cannot start the proxy: {exc}", file=sys.stderr)
-        return EXIT_START
+        return _fail(f"cannot start the proxy: {exc}", EXIT_START)
     # Signal handlers before the ready line: a supervisor may send SIGHUP or
     # SIGTERM as soon as it reads the line, and SIGHUP's default action kills.
     stop = asyncio.Event()
