@@ -824,15 +824,13 @@ async def open_tunnel(
     splice; 0 = from the start, None = never; ignored where splice is
     unavailable.
     """
-    loop = asyncio.get_running_loop()
     if not idle_timeout > 0:
         client.close()
         upstream.close()
         raise ValueError("idle_timeout must be > 0")
-    pool = pipes if pipes is not None else default_pipe_pool()
-    tunnel = Tunnel(loop, idle_timeout, splice_threshold, pool)
-    tunnel._count(True, len(initial_to_upstream))
-    tunnel._count(False, len(initial_to_client))
+    tunnel = _new_tunnel(
+        idle_timeout, splice_threshold, pipes, initial_to_upstream, initial_to_client
+    )
     if tunnel._next_splice == 0:
         for sock in (client, upstream):
             sock.setblocking(False)
@@ -842,6 +840,21 @@ async def open_tunnel(
     else:
         await tunnel._open_protocols(client, upstream)
         tunnel._begin(initial_to_upstream, initial_to_client)
+    return tunnel
+
+
+def _new_tunnel(
+    idle_timeout: float,
+    splice_threshold: int | None,
+    pipes: PipePool | None,
+    to_upstream: bytes,
+    to_client: bytes,
+) -> Tunnel:
+    """A Tunnel on the running loop, with the initial bytes already counted."""
+    pool = pipes if pipes is not None else default_pipe_pool()
+    tunnel = Tunnel(asyncio.get_running_loop(), idle_timeout, splice_threshold, pool)
+    tunnel._count(True, len(to_upstream))
+    tunnel._count(False, len(to_client))
     return tunnel
 
 
@@ -864,11 +877,9 @@ async def open_tunnel_on_transport(
     if client.is_closing() or client.get_write_buffer_size() or not idle_timeout > 0:
         upstream.close()
         raise ValueError("the client transport is closing or busy, or idle_timeout <= 0")
-    loop = asyncio.get_running_loop()
-    pool = pipes if pipes is not None else default_pipe_pool()
-    tunnel = Tunnel(loop, idle_timeout, splice_threshold, pool)
-    tunnel._count(True, len(initial_to_upstream))
-    tunnel._count(False, len(initial_to_client))
+    tunnel = _new_tunnel(
+        idle_timeout, splice_threshold, pipes, initial_to_upstream, initial_to_client
+    )
     c = tunnel._sides[0]
     client.set_protocol(c)
     c.connection_made(client)
