@@ -66,6 +66,7 @@ HOST = "127.0.0.1"
 GIB = 1 << 30
 CONCURRENCY = (1, 16, 128)
 IDLE_COUNTS = (2000, 10000)
+TESTS = ("throughput", "setup", "http")  # --tests: one tunnel, short tunnels, plain HTTP
 WANTED_NOFILE = 65536  # fds for 10,000 tunnels (2 per tunnel in the proxy) and headroom
 FD_HEADROOM = 200  # fds a proxy needs besides its tunnels (listeners, logs, epoll, ...)
 IDLE_WARM_UP = 100  # tunnels opened and closed before a fresh proxy's RSS baseline
@@ -302,7 +303,8 @@ class ProxyKind:
     logging: str  # what it logs in this benchmark
 
 
-def start_egressbox(workdir: Path, origins: Origins) -> Proxy:
+def start_egressbox(workdir: Path, origins: Origins, workers: int = 1) -> Proxy:
+    """`egressbox serve`; with workers > 1, `serve --workers N` (SO_REUSEPORT)."""
     policy = workdir / "policy.toml"
     policy.write_text(
         "[egress]\n"
@@ -313,11 +315,13 @@ def start_egressbox(workdir: Path, origins: Origins) -> Proxy:
     )
     argv = [sys.executable, "-m", "egressbox", "serve", "--policy", str(policy)]
     argv += ["--audit-log", str(workdir / "audit.jsonl"), "--quiet"]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
     with open(workdir / "stderr.log", "wb") as err:
         proc = spawn(argv, stderr=err)
     ready = read_json(proc, START_TIMEOUT)
     return Proxy(
-        "egressbox",
+        "egressbox" if workers == 1 else f"egressbox-w{workers}",
         proc,
         int(ready["http"].rsplit(":", 1)[1]),
         int(ready["socks5"].rsplit(":", 1)[1]),
@@ -422,6 +426,14 @@ KINDS = [
         "audit log (one JSON line per decision) to a file; --quiet (no stderr line)",
     ),
     ProxyKind(
+        "egressbox-w2",
+        "egressbox",
+        partial(start_egressbox, workers=2),
+        egressbox_version,
+        "as egressbox, with --workers 2 (two processes sharing the ports with SO_REUSEPORT;"
+        " one audit log, O_APPEND)",
+    ),
+    ProxyKind(
         "squid",
         "squid",
         start_squid,
@@ -440,7 +452,7 @@ KINDS = [
 
 
 def installed(kind: ProxyKind) -> bool:
-    if kind.name == "egressbox":
+    if kind.program == "egressbox":
         return True
     if kind.name == "pproxy":
         return importlib.util.find_spec("pproxy") is not None
@@ -770,6 +782,7 @@ class Params:
     idle_note: str = ""
     retake_budget: float = 0.0  # seconds of retaken samples the whole run may spend
     concurrency: tuple[int, ...] = CONCURRENCY
+    tests: tuple[str, ...] = TESTS
 
 
 @dataclass
@@ -803,13 +816,14 @@ def run(params: Params, kinds: list[ProxyKind], workroot: Path, results: Results
     watched = [proc.pid for proc in origins.procs] + [p.pid for p in proxies.values()]
     meter = LoadMeter(watched, params.retake_budget)
     for number in range(params.rounds):
-        log(f"round {number + 1}/{params.rounds}: throughput")
-        order = rotated(tunnel_cells, number)
+        order = rotated(tunnel_cells, number) if "throughput" in params.tests else []
+        if order:
+            log(f"round {number + 1}/{params.rounds}: throughput")
         for cell in order + order[::-1]:  # two runs per round, the second in reverse order
             sample = meter.measure(partial(measure_throughput, cell, of(cell), origins, size))
             results.throughput.setdefault(cell.label, []).append(sample)
             log(f"  {cell.label:20} {sample['mb_per_s']:8.0f} MB/s{noise(sample)}")
-        for conc in params.concurrency:
+        for conc in params.concurrency if "setup" in params.tests else ():
             log(f"round {number + 1}/{params.rounds}: short tunnels, concurrency {conc}")
             for cell in rotated(tunnel_cells, number):
                 job = partial(
@@ -821,7 +835,7 @@ def run(params: Params, kinds: list[ProxyKind], workroot: Path, results: Results
                     f"  {cell.label:20} {sample['per_s']:8.0f}/s p50 {sample['p50_ms']:.2f}"
                     f" p99 {sample['p99_ms']:.2f} ms errors {sample['errors']}{noise(sample)}"
                 )
-        for conc in params.concurrency:
+        for conc in params.concurrency if "http" in params.tests else ():
             log(f"round {number + 1}/{params.rounds}: plain HTTP, concurrency {conc}")
             for cell in rotated(http_cells, number):
                 job = partial(
@@ -1154,6 +1168,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; quick 2)")
     parser.add_argument("--no-idle", action="store_true", help="skip the idle-tunnel test")
     parser.add_argument(
+        "--tests",
+        default=",".join(TESTS),
+        help="comma-separated subset of: throughput (one tunnel), setup (short tunnels),"
+        " http (plain HTTP); the idle test is governed by --no-idle",
+    )
+    parser.add_argument(
         "--from-json", metavar="FILE", help="only print the tables of an earlier --json run"
     )
     args = parser.parse_args(argv)
@@ -1175,6 +1195,12 @@ def main(argv: list[str]) -> int:
         params.retake_budget = 150.0
     if args.no_idle:
         params.idle_counts = ()
+    params.tests = tuple(t for t in args.tests.split(",") if t)
+    unknown = set(params.tests) - set(TESTS)
+    if unknown:
+        parser.error(
+            f"unknown test(s): {', '.join(sorted(unknown))}; choose from {', '.join(TESTS)}"
+        )
     wanted = args.proxies.split(",")
     kinds = []
     for kind in KINDS:

@@ -41,6 +41,7 @@ from egressbox.audit import (
     StreamSink,
     SummaryRow,
     TeeSink,
+    decision_line,
     iter_records,
     read_records,
     summarize,
@@ -1123,3 +1124,67 @@ def test_property_to_json_is_json_dumps_byte_for_byte(records: list[AuditRecord]
     for record in [*records, *same_second]:
         line = record.to_json()
         assert line == json.dumps(record.to_dict(), ensure_ascii=True, separators=(",", ":"))
+
+
+# --------------------------------------------------------------------------- the proxy's fast line
+
+PLAIN_HOSTS = st.from_regex(r"[0-9A-Za-z._:-]{0,255}", fullmatch=True)
+# Unix nanoseconds from 1970 to the end of year 9999 (what a record's ts can hold).
+NANOSECONDS = st.integers(0, 253402300799 * 10**9 + 999_999_999)
+
+
+def stamped(now_ns: int) -> datetime:
+    """What datetime.now(UTC) gives at `now_ns`: microseconds, rounded down."""
+    seconds, rest = divmod(now_ns, 10**9)
+    return datetime.fromtimestamp(seconds, UTC) + timedelta(microseconds=rest // 1000)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            NANOSECONDS,
+            st.sampled_from(AuditProtocol),
+            st.one_of(PLAIN_HOSTS, HOSTS),
+            st.integers(0, 65535),
+            st.sampled_from(Verdict),
+            st.sampled_from(Reason),
+        ),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_property_decision_line_is_the_records_line(
+    fields: list[tuple[int, AuditProtocol, str, int, Verdict, Reason]],
+) -> None:
+    fast_file, slow_file = bytearray(), bytearray()
+    with tempfile.TemporaryDirectory() as directory:
+        fast_path, slow_path = Path(directory) / "fast.jsonl", Path(directory) / "slow.jsonl"
+        with JsonlFileSink(fast_path) as fast, JsonlFileSink(slow_path) as slow:
+            for now_ns, protocol, host, port, decision, reason in fields:
+                record = AuditRecord(stamped(now_ns), protocol, host, port, decision, reason)
+                line = decision_line(protocol, host, port, decision, reason, now_ns=now_ns)
+                if line is None:  # the caller builds the record instead
+                    assert audit._PLAIN_HOST.fullmatch(host) is None
+                    line = record.to_json()
+                assert line == record.to_json()
+                fast.write_json(line)
+                slow.write(record)
+        fast_file += fast_path.read_bytes()
+        slow_file += slow_path.read_bytes()
+    assert fast_file == slow_file
+
+
+def test_decision_line_leaves_the_unusual_to_the_record() -> None:
+    now = 1_796_036_896_123_456_789
+    args = (AuditProtocol.CONNECT, "example.com", 443, Verdict.ALLOW, Reason.ALLOWED)
+    assert decision_line(*args, now_ns=now) == (
+        '{"ts":"2026-11-30T11:08:16.123Z","protocol":"connect","host":"example.com",'
+        '"port":443,"decision":"allow","reason":"allowed"}'
+    )
+    for bad in (
+        ("connect", "example.com", 443, Verdict.ALLOW, Reason.ALLOWED),  # not the enum
+        (AuditProtocol.CONNECT, "(invalid)", 0, Verdict.DENY, Reason.BAD_HOST),  # escaping
+        (AuditProtocol.CONNECT, "example.com", 65536, Verdict.ALLOW, Reason.ALLOWED),
+        (AuditProtocol.CONNECT, "example.com", True, Verdict.ALLOW, Reason.ALLOWED),
+    ):
+        assert decision_line(*bad, now_ns=now) is None  # type: ignore[arg-type]

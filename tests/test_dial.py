@@ -24,11 +24,14 @@ from ipaddress import IPv4Address, IPv6Address, ip_address
 import pytest
 
 from egressbox.dial import (
+    DEFAULT_STAGGER,
     DialError,
     DialFailure,
+    Dialing,
     dial,
     failure_for,
     interleave_families,
+    start_connect,
 )
 from egressbox.errors import EgressboxError
 from loops import LOOPS, Runner, Scenario
@@ -365,3 +368,288 @@ def test_unreachable_and_blackholed_inside_a_network_namespace() -> None:
         "blackhole": "connect_timeout",
         "fallback": "connected to 127.0.0.1",
     }
+
+
+# --- start_connect: the loop's create_connection, reported by callback ------------------
+
+
+class Recorder(asyncio.Protocol):
+    """The protocol a dial connects: what it saw, and when."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.data = b""
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+
+async def connect(
+    addresses: list[IPv4Address | IPv6Address],
+    port: int,
+    *,
+    timeout: float,
+    stagger: float = DEFAULT_STAGGER,
+) -> tuple[asyncio.Transport, Recorder]:
+    """start_connect as a coroutine; checks that it reports exactly once."""
+    loop = asyncio.get_running_loop()
+    reports: list[tuple[asyncio.Transport | None, DialError | None]] = []
+    reported: asyncio.Future[None] = loop.create_future()
+    protocol = Recorder()
+
+    def on_done(transport: asyncio.Transport | None, error: DialError | None) -> None:
+        reports.append((transport, error))
+        reported.set_result(None)
+
+    start_connect(addresses, port, protocol, on_done, timeout=timeout, stagger=stagger)
+    await reported
+    await asyncio.sleep(0.01)  # a second report would come within a few loop turns
+    assert len(reports) == 1
+    transport, error = reports[0]
+    if error is not None:
+        assert transport is None
+        raise error
+    assert transport is not None
+    assert protocol.transport is transport  # connection_made ran before the report
+    return transport, protocol
+
+
+async def warm_up() -> None:
+    """uvloop opens /dev/null once, on its first transport: not ours to count."""
+    with listening("127.0.0.1") as port:
+        transport, _ = await connect([V4], port, timeout=TIMEOUT)
+        await closed(transport)
+
+
+async def closed(transport: asyncio.Transport) -> None:
+    transport.abort()
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def check_transport(transport: asyncio.Transport) -> None:
+    sock = transport.get_extra_info("socket")
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_connect_single_address(run: Runner, host: str) -> None:
+    async def scenario() -> None:
+        with listening(host) as port:
+            transport, _ = await connect([ip_address(host)], port, timeout=TIMEOUT)
+            check_transport(transport)
+            assert transport.get_extra_info("peername")[:2] == (host, port)
+            await closed(transport)
+
+    run(scenario)
+
+
+def test_connect_keeps_what_the_server_says_first(run: Runner) -> None:
+    async def scenario() -> None:
+        with _bound("127.0.0.2", 0) as listener:
+            listener.listen(8)
+            port = listener.getsockname()[1]
+            task = asyncio.create_task(connect([ip_address("127.0.0.2")], port, timeout=TIMEOUT))
+            loop = asyncio.get_running_loop()
+            listener.setblocking(False)
+            accepted, _ = await loop.sock_accept(listener)
+            with accepted:
+                accepted.sendall(b"220 ready\r\n")
+                transport, protocol = await task
+                for _ in range(100):
+                    if protocol.data:
+                        break
+                    await asyncio.sleep(0.01)
+                assert protocol.data == b"220 ready\r\n"
+                await closed(transport)
+
+    run(scenario)
+
+
+def test_connect_refused(run: Runner) -> None:
+    async def scenario() -> None:
+        await warm_up()
+        before = fd_count()
+        with refusing("127.0.0.1") as port, pytest.raises(DialError) as caught:
+            await connect([V4], port, timeout=TIMEOUT)
+        assert caught.value.reason is DialFailure.CONNECT_REFUSED
+        assert str(caught.value) == f"connection refused by 127.0.0.1 port {port}"
+        assert fd_count() == before
+
+    run(scenario)
+
+
+def test_connect_single_address_times_out(run: Runner) -> None:
+    async def scenario() -> None:
+        with blackholed("127.0.0.2") as port:
+            await warm_up()
+            before = fd_count()
+            started = time.monotonic()
+            with pytest.raises(DialError) as caught:
+                await connect([ip_address("127.0.0.2")], port, timeout=SHORT)
+            assert time.monotonic() - started >= SHORT * 0.9
+            assert fd_count() == before
+        assert caught.value.reason is DialFailure.CONNECT_TIMEOUT
+        assert str(caught.value) == f"no connection to 127.0.0.2 port {port} within {SHORT:g} s"
+
+    run(scenario)
+
+
+def test_connect_blackholed_first_address_then_second_wins(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((blackholed, "127.0.0.2"), (listening, "127.0.0.3")) as port:
+            await warm_up()
+            before = fd_count()
+            addresses = [ip_address("127.0.0.2"), ip_address("127.0.0.3")]
+            transport, protocol = await connect(addresses, port, timeout=TIMEOUT, stagger=0.05)
+            assert transport.get_extra_info("peername")[0] == "127.0.0.3"
+            assert transport.get_protocol() is protocol
+            check_transport(transport)
+            assert fd_count() == before + 1  # the loser's socket is closed
+            await closed(transport)
+            assert protocol.lost
+
+    run(scenario)
+
+
+def test_connect_failure_starts_the_next_attempt_at_once(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((listening, "127.0.0.1"), (refusing, "::1")) as port:
+            started = time.monotonic()
+            transport, _ = await connect(
+                [V6, V4], port, timeout=2 * LONG_STAGGER, stagger=LONG_STAGGER
+            )
+            elapsed = time.monotonic() - started
+            assert transport.get_extra_info("peername")[0] == "127.0.0.1"
+            await closed(transport)
+        assert elapsed < LONG_STAGGER / 3
+
+    run(scenario)
+
+
+def test_connect_every_attempt_refused_reports_refusal(run: Runner) -> None:
+    async def scenario() -> None:
+        await warm_up()
+        before = fd_count()
+        with (
+            one_port((refusing, "127.0.0.1"), (refusing, "::1")) as port,
+            pytest.raises(DialError) as caught,
+        ):
+            await connect([V6, V4], port, timeout=TIMEOUT, stagger=0.01)
+        assert caught.value.reason is DialFailure.CONNECT_REFUSED
+        assert fd_count() == before
+
+    run(scenario)
+
+
+def test_connect_overall_timeout(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((blackholed, "127.0.0.2"), (blackholed, "127.0.0.3")) as port:
+            await warm_up()
+            before = fd_count()
+            addresses = [ip_address("127.0.0.2"), ip_address("127.0.0.3")]
+            with pytest.raises(DialError) as caught:
+                await connect(addresses, port, timeout=SHORT, stagger=0.05)
+            assert fd_count() == before
+        assert caught.value.reason is DialFailure.CONNECT_TIMEOUT
+        assert str(caught.value) == (
+            f"no connection to 127.0.0.2, 127.0.0.3 port {port} within {SHORT:g} s"
+        )
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("hosts", [["127.0.0.2"], ["127.0.0.2", "::1"]])
+def test_cancelled_connect_closes_everything_and_reports_nothing(
+    run: Runner, hosts: list[str]
+) -> None:
+    async def scenario() -> None:
+        endpoints = [(blackholed, host) for host in hosts]
+        with one_port(*endpoints) as port:
+            await warm_up()
+            before = fd_count()
+            reports: list[object] = []
+            dialing = start_connect(
+                [ip_address(h) for h in hosts],
+                port,
+                Recorder(),
+                lambda *report: reports.append(report),
+                timeout=SHORT,
+                stagger=0.01,
+            )
+            await asyncio.sleep(0.1)  # every attempt in flight
+            dialing.cancel()
+            await asyncio.sleep(SHORT * 1.5)  # past the timeout: still nothing reported
+            assert reports == []
+            assert fd_count() == before
+
+    run(scenario)
+
+
+class CancelOnConnect(Recorder):
+    """Cancels the dial from inside connection_made: connected, not yet reported."""
+
+    dialing: Dialing | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        assert self.dialing is not None
+        self.dialing.cancel()
+
+
+def test_connect_cancelled_after_connecting_closes_the_winner(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((listening, "127.0.0.1"), (listening, "::1")) as port:
+            await warm_up()
+            before = fd_count()
+            reports: list[object] = []
+            for hosts in (["127.0.0.1"], ["127.0.0.1", "::1"]):
+                protocol = CancelOnConnect()
+                protocol.dialing = start_connect(
+                    [ip_address(h) for h in hosts],
+                    port,
+                    protocol,
+                    lambda *report: reports.append(report),
+                    timeout=TIMEOUT,
+                    stagger=LONG_STAGGER,
+                )
+                await asyncio.sleep(0.05)
+                assert protocol.transport is not None  # it had connected (then was closed)
+            assert reports == []
+            assert fd_count() == before  # closed (uvloop: without calling connection_lost)
+
+    run(scenario)
+
+
+def test_connect_bad_arguments(run: Runner) -> None:
+    async def scenario() -> None:
+        for addresses, port in (([], 80), ([V4], 0), ([V4], 65536)):
+            with pytest.raises(ValueError):
+                start_connect(addresses, port, Recorder(), print, timeout=1.0)
+
+    run(scenario)
+
+
+def test_connect_never_calls_the_resolver(run: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_lookups(*args: object, **kwargs: object) -> None:
+        raise AssertionError("start_connect must not resolve")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_lookups)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        monkeypatch.setattr(loop, "getaddrinfo", no_lookups)
+        with listening("127.0.0.1") as port, listening("::1") as port6:
+            transport, _ = await connect([V4], port, timeout=TIMEOUT)
+            await closed(transport)
+            transport, _ = await connect([V6], port6, timeout=TIMEOUT)
+            await closed(transport)
+
+    run(scenario)

@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from egressbox.decide import Decision, SelfEndpoints
-from egressbox.egress import check
+from egressbox.egress import Pending, check, check_now
 from egressbox.errors import Reason, ResolveError, Verdict
 from egressbox.hosts import INVALID_HOST_TEXT
 from egressbox.policy import Policy, parse_policy
+from egressbox.resolve import Resolution
 from fakes import FakeResolver, ip
 
 METADATA = ["169.254.169.254/32", "fd00:ec2::254/128"]
@@ -412,3 +413,62 @@ async def test_ip_and_cidr_deny_entries_refuse_resolved_addresses() -> None:
     assert (b.reason, b.rule) == (Reason.DENY_RULE, "[2606:2800::1]")
     c = await check(policy, resolver, "c.example.com", 443)
     assert c.reason is Reason.DENY_RULE
+
+
+# -- check_now: the same decision without awaiting, when no query is needed -----------
+
+
+class CachingResolver(FakeResolver):
+    """A FakeResolver that also answers without a query for the names in `cached`."""
+
+    def __init__(self, answers: dict[str, list[str]], cached: set[str]) -> None:
+        super().__init__(answers)
+        self.addresses = answers
+        self.cached = cached
+        self.asked_now: list[str] = []
+
+    def resolve_now(self, host: str) -> Resolution | None:
+        self.asked_now.append(host)
+        if host not in self.cached:
+            return None
+        return Resolution(tuple(ip(a) for a in self.addresses[host]), (host,), 60.0, "cache")
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "needs_dns"),
+    [
+        ("151.101.0.223", 443, False),  # IP literal, allowed
+        ("10.0.0.1", 443, False),  # IP literal, denied by the address checks
+        ("evil.example", 443, False),  # no allow entry: denied before DNS
+        ("pypi.org", 80, False),  # wrong port: denied before DNS
+        ("bad host", 443, False),  # bad target
+        ("pypi.org", 443, False),  # cached
+        ("files.pythonhosted.org", 443, True),  # not cached: needs the query
+    ],
+)
+async def test_check_now_agrees_with_check(host: str, port: int, needs_dns: bool) -> None:
+    answers = {"pypi.org": [PUBLIC_V4], "files.pythonhosted.org": [PUBLIC_V6]}
+    policy = make_policy(
+        allow=["pypi.org:443", "files.pythonhosted.org:443", "151.101.0.223", "10.0.0.1"]
+    )
+    resolver = CachingResolver(answers, cached={"pypi.org"})
+    decided = check_now(policy, resolver, host, port, self_endpoints=LISTENERS)
+    assert isinstance(decided, Pending) is needs_dns
+    assert resolver.queries == []
+    expected = await check(policy, FakeResolver(answers), host, port, self_endpoints=LISTENERS)
+    if isinstance(decided, Pending):
+        assert await decided.finish() == expected
+        assert resolver.queries == [host]
+    else:
+        assert decided == expected
+
+
+async def test_check_now_without_resolve_now_needs_the_query() -> None:
+    resolver = FakeResolver({"pypi.org": [PUBLIC_V4]})
+    policy = make_policy(allow=["pypi.org:443"])
+    pending = check_now(policy, resolver, "pypi.org", 443)
+    assert isinstance(pending, Pending)
+    assert resolver.queries == []
+    decision = await pending.finish()
+    assert decision.reason is Reason.ALLOWED
+    assert resolver.queries == ["pypi.org"]

@@ -1912,3 +1912,76 @@ def test_whole_head_fast_path_is_taken_for_a_plain_connect(monkeypatch: pytest.M
     assert head is not None
     assert head.kind is RequestKind.CONNECT
     assert parser.trailing == TRAILING
+
+
+# -- responses: the whole-head fast path and reuse of the upstream connection ------------------
+
+
+@FUZZ
+@given(
+    data=st.binary(max_size=200) | mutated(RESPONSE_SEEDS),
+    limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD, 40, 20]),
+    eof=st.booleans(),
+)
+def test_response_fast_path_agrees_with_the_line_path(data: bytes, limit: int, eof: bool) -> None:
+    client = request()
+    fast = relay(ResponseFramer(client, limit), whole(data), eof)
+    assert fast == relay(ResponseFramer(client, limit), [data[:1], data[1:]], eof)
+
+
+def test_response_fast_path_is_taken_for_a_plain_response(monkeypatch: pytest.MonkeyPatch) -> None:
+    framer = ResponseFramer(request())
+
+    def no_line_path() -> None:
+        raise AssertionError("the line-by-line path ran")
+
+    monkeypatch.setattr(framer, "_read_head", no_line_path)
+    events = framer.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    assert [type(e) for e in events] == [ResponseHead, BodyData, EndOfMessage]
+
+
+@pytest.mark.parametrize(
+    ("response", "reusable"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", True),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", True),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", True),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: x, Close\r\n\r\nok", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokX", False),  # a byte after the end
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no", False),  # not ended
+    ],
+)
+def test_reusable_only_after_a_clean_persistent_response(response: bytes, reusable: bool) -> None:
+    for chunks in (whole(response), bytewise(response)):
+        framer = ResponseFramer(request())
+        for chunk in chunks:
+            framer.feed(chunk)
+        assert framer.reusable is reusable
+
+
+def test_a_byte_after_the_end_in_a_later_feed_spoils_reuse() -> None:
+    framer = ResponseFramer(request())
+    framer.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    assert framer.reusable
+    assert framer.feed(b"HTTP/1.1 200 OK\r\n") == []
+    assert not framer.reusable
+
+
+def test_a_close_delimited_body_is_never_reusable() -> None:
+    framer = ResponseFramer(request())
+    framer.feed(b"HTTP/1.1 200 OK\r\n\r\nbody")
+    framer.feed_eof()
+    assert not framer.reusable
+
+
+def test_forward_head_asks_for_persistence_only_when_told() -> None:
+    head = request()
+    assert b"\r\nConnection: close\r\n" in forward_head(head)
+    kept = forward_head(head, keep_alive=True)
+    assert b"Connection:" not in kept
+    upgrade = forward_head(ws_request(), keep_alive=True)
+    assert b"\r\nConnection: Upgrade\r\n" in upgrade

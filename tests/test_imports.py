@@ -22,7 +22,16 @@ FORBIDDEN_ALIASES = frozenset(
     {"_asyncio", "_socket", "_ssl", "_posixsubprocess", "_thread", "_overlapped"}
 )
 
-PURE_MODULES = ("hosts", "policy", "addresses", "decide", "rules", "limits", "errors")
+PURE_MODULES = (
+    "hosts",
+    "policy",
+    "addresses",
+    "decide",
+    "rules",
+    "limits",
+    "errors",
+    "confine.refusal",
+)
 
 
 def _package_dir() -> Path:
@@ -34,7 +43,7 @@ def _package_dir() -> Path:
 
 def _pure_files() -> list[Path]:
     package = _package_dir()
-    files = [package / f"{name}.py" for name in PURE_MODULES]
+    files = [package / f"{name.replace('.', '/')}.py" for name in PURE_MODULES]
     files += sorted((package / "protocols").rglob("*.py"))
     # Importing any of them first runs the package's __init__.
     files.append(package / "__init__.py")

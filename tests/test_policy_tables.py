@@ -399,3 +399,109 @@ def test_cli_timeout_must_be_positive(value: str, capsys: pytest.CaptureFixture[
         cli.build_parser("run").parse_args(["run", "--timeout", value, "--", "true"])
     assert info.value.code == 2
     assert "--timeout" in capsys.readouterr().err
+
+
+# -- process roots: granted to the command's tools, never workspaces -------------------------
+
+
+def test_process_roots_parse_and_default_to_none() -> None:
+    assert parse({}).filesystem.process_read_roots == ()
+    assert parse({}).filesystem.process_write_roots == ()
+    fs = parse(
+        {
+            "filesystem": {
+                "write_roots": ["~/project"],
+                "process_read_roots": ["~/.npmrc.d"],
+                "process_write_roots": ["~/.cache/pip", "/var/cache/tool"],
+            }
+        }
+    ).filesystem
+    assert fs.write_roots == ("~/project",)
+    assert fs.process_read_roots == ("~/.npmrc.d",)
+    assert fs.process_write_roots == ("~/.cache/pip", "/var/cache/tool")
+
+
+@pytest.mark.parametrize("key", ["process_read_roots", "process_write_roots"])
+@pytest.mark.parametrize(
+    ("value", "where", "fix"),
+    [
+        (["cache"], "[0]", "write it from /"),
+        (["/ok", "~user/x"], "[1]", "not an absolute path"),
+        ("/srv", "", "must be a list"),
+        ([7], "[0]", "must be a string"),
+    ],
+)
+def test_process_root_errors_name_the_key_and_the_fix(
+    key: str, value: Any, where: str, fix: str
+) -> None:
+    problem = one_problem({"filesystem": {key: value}})
+    assert problem.startswith(f"filesystem.{key}{where}: "), problem
+    assert fix in problem, problem
+
+
+@pytest.mark.parametrize("key", ["process_read_roots", "process_write_roots"])
+@pytest.mark.parametrize("workspace_key", ["write_roots", "read_roots"])
+def test_a_process_root_cannot_also_be_a_workspace_root(key: str, workspace_key: str) -> None:
+    problem = one_problem({"filesystem": {workspace_key: ["/srv/x"], key: ["/srv/y", "/srv/x"]}})
+    assert problem.startswith(f"filesystem.{key}[1]: "), problem
+    assert f"also in filesystem.{workspace_key}" in problem, problem
+    assert "remove it from one list" in problem, problem
+
+
+def test_misspelt_process_root_key_suggests_the_right_one() -> None:
+    problem = one_problem({"filesystem": {"process_write_root": []}})
+    assert problem.startswith("filesystem.process_write_root: unknown key; "), problem
+    assert '"process_write_roots"' in problem, problem
+
+
+def test_process_roots_from_the_table_flags_and_keywords_add_up() -> None:
+    settings = parse(
+        {"filesystem": {"process_read_roots": ["/r1"], "process_write_roots": ["/w1"]}}
+    ).run_settings
+    options = _cli(
+        "--process-read-root",
+        "/r0",
+        "--process-write-root",
+        "/w0",
+        "--process-write-root",
+        "/w1",
+        settings=settings,
+    )
+    assert options is not None
+    assert options.process_read_roots == ("/r0", "/r1")
+    assert options.process_write_roots == ("/w0", "/w1")
+    assert options.write_roots == () and options.read_roots == ()
+    policy = parse({"filesystem": {"process_write_roots": ["/w1"]}})
+    library = options_for(["true"], policy=policy, process_write_roots=["/w2"])
+    assert library.process_write_roots == ("/w2", "/w1")
+    assert library.write_roots == ()
+
+
+def test_process_roots_are_granted_but_hold_no_scratch_space(tmp_path: Path) -> None:
+    from egressbox.confine.plan import HostFacts
+    from egressbox.run import prepare
+
+    workspace, cache, tools = tmp_path / "ws", tmp_path / "cache", tmp_path / "tools"
+    for path in (workspace, cache, tools):
+        path.mkdir()
+    options = RunOptions(
+        argv=("/bin/true",),
+        policy=None,
+        profile=Profile.WORKSPACE_PATHS,
+        cwd=str(workspace),
+        process_write_roots=(str(cache),),
+        process_read_roots=(str(tools),),
+        base_env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    prepared = prepare(options, HostFacts(frozenset()))
+    plan = prepared.plan
+    assert str(cache) in plan.write and str(tools) in plan.read
+    assert str(tools) not in plan.write
+    # The working directory is still the workspace: TMPDIR and caches live there.
+    assert plan.env["TMPDIR"].startswith(str(workspace / ".egressbox"))
+    assert not any(value.startswith(str(cache)) for value in plan.env.values())
+    assert not (cache / ".egressbox").exists()
+    kinds = {(r.kind, r.path) for r in prepared.roots}
+    assert ("workspace", str(workspace)) in kinds
+    assert ("process_write", str(cache)) in kinds
+    assert ("process_read", str(tools)) in kinds

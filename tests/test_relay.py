@@ -30,7 +30,9 @@ from egressbox.relay import (
     RelayStats,
     Tunnel,
     default_pipe_pool,
+    new_tunnel,
     open_tunnel,
+    open_tunnel_with_upstream,
     relay,
     take_socket,
 )
@@ -645,5 +647,115 @@ def test_bad_idle_timeout_is_refused_and_sockets_closed(run: Runner) -> None:
         assert b.fileno() == -1 and c.fileno() == -1
         a.close()
         d.close()
+
+    run(scenario)
+
+
+# --- An upstream transport made with the tunnel's own protocol -----------------------------
+
+
+class HeadThenDial(asyncio.Protocol):
+    """A toy server: reads one line, dials the upstream with the tunnel's protocol, relays."""
+
+    def __init__(
+        self, upstream_port: int, tunnels: asyncio.Queue[Tunnel], threshold: int | None
+    ) -> None:
+        self.upstream_port = upstream_port
+        self.tunnels = tunnels
+        self.threshold = threshold
+        self.buffer = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if b"\n" not in self.buffer or self.transport is None:
+            return
+        _, rest = self.buffer.split(b"\n", 1)
+        self.transport.pause_reading()
+        asyncio.get_running_loop().create_task(self._start(self.transport, rest))
+
+    async def _start(self, client: asyncio.Transport, rest: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        tunnel = new_tunnel(idle_timeout=IDLE, splice_threshold=self.threshold)
+        upstream, _ = await loop.create_connection(
+            lambda: tunnel.upstream_protocol, "127.0.0.1", self.upstream_port
+        )
+        await asyncio.sleep(0.05)  # the upstream's greeting arrives before the tunnel starts
+        open_tunnel_with_upstream(
+            tunnel,
+            client,
+            upstream,
+            initial_to_upstream=rest,
+            initial_to_client=b"OK\n",
+        )
+        await self.tunnels.put(tunnel)
+
+
+@pytest.mark.parametrize("mode", ["protocol", "hybrid"])
+def test_open_tunnel_with_upstream_relays_and_keeps_early_upstream_bytes(
+    run: Runner, mode: str
+) -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        upstream_apps: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
+        upstream_apps = asyncio.Queue()
+
+        async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"hello;")  # server speaks first, as SSH or SMTP do
+            await upstream_apps.put((reader, writer))
+
+        origin = await asyncio.start_server(greet, "127.0.0.1", 0)
+        upstream_port = origin.sockets[0].getsockname()[1]
+        tunnels: asyncio.Queue[Tunnel] = asyncio.Queue()
+        server = await loop.create_server(
+            lambda: HeadThenDial(upstream_port, tunnels, THRESHOLDS[mode]), "127.0.0.1", 0
+        )
+        port = server.sockets[0].getsockname()[1]
+        cr, cw = await asyncio.open_connection("127.0.0.1", port)
+        cw.write(b"CONNECT example:443\nfirst bytes")
+        tunnel = await tunnels.get()
+        ur, uw = await upstream_apps.get()
+        assert await cr.readexactly(9) == b"OK\nhello;"
+        assert await ur.readexactly(11) == b"first bytes"
+        payload = os.urandom(PAYLOAD)
+        await asyncio.gather(send(uw, payload), send(cw, b" then more"))
+        assert digest(await read_to_end(cr)) == digest(payload)
+        assert await read_to_end(ur) == b" then more"
+        stats = await tunnel.done
+        assert stats.closed_by is CloseReason.EOF
+        assert stats.bytes_down == 3 + 6 + PAYLOAD
+        assert stats.bytes_up == 11 + 10
+        expect_spliced(mode, stats)
+        for writer in (cw, uw):
+            writer.close()
+            await writer.wait_closed()
+        for listener in (server, origin):
+            listener.close()
+            await listener.wait_closed()
+        assert default_pipe_pool().open_pipes == 0
+
+    run(scenario)
+
+
+def test_open_tunnel_with_upstream_refuses_a_closing_client(run: Runner) -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = tcp_pair()
+        c, d = tcp_pair()
+        client, _ = await loop.connect_accepted_socket(asyncio.Protocol, a)
+        tunnel = new_tunnel(idle_timeout=IDLE)
+        upstream, _ = await loop.connect_accepted_socket(lambda: tunnel.upstream_protocol, c)
+        client.close()
+        with pytest.raises(ValueError, match="closing"):
+            open_tunnel_with_upstream(tunnel, client, upstream)
+        assert upstream.is_closing()  # the tunnel owned it: aborted
+        await asyncio.sleep(0)
+        b.close()
+        d.close()
+        with pytest.raises(ValueError, match="idle_timeout"):
+            new_tunnel(idle_timeout=0)
 
     run(scenario)

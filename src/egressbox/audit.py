@@ -57,6 +57,7 @@ __all__ = [
     "StreamSink",
     "SummaryRow",
     "TeeSink",
+    "decision_line",
     "follow_records",
     "format_ts",
     "iter_records",
@@ -148,6 +149,55 @@ def _record_ts(ts: datetime) -> str:
         text = format_ts(second)[:-5]  # drop ".000Z"
         _last_second[0] = (second, text)
     return f"{text}.{ts.microsecond // 1000:03d}Z"
+
+
+# decision_line()'s cache: the last whole second (Unix time) and the line's opening up to
+# it ('{"ts":"2026-11-30T11:08:16'), rebuilt once a second.
+_line_second: list[tuple[int, str]] = [(-1, "")]
+_NS = 1_000_000_000
+_NS_PER_MS = 1_000_000
+
+
+def decision_line(
+    protocol: AuditProtocol,
+    host: str,
+    port: int,
+    decision: Verdict,
+    reason: Reason,
+    *,
+    now_ns: int,
+) -> str | None:
+    """The line ``AuditRecord`` stamped at ``now_ns`` (Unix ns) would write, built directly.
+
+    The proxy's fast path: no record object, no validation beyond what the fields need
+    (they come from a Decision). None when a field is not the plain kind the fast path
+    handles (a host that needs checking or escaping, a port out of range, a value that is
+    not its enum's member): build an AuditRecord then. A test checks the two agree.
+    """
+    if (
+        type(protocol) is not AuditProtocol
+        or type(decision) is not Verdict
+        or type(reason) is not Reason
+        or type(port) is not int
+        or not 0 <= port <= MAX_PORT
+        or _PLAIN_HOST.fullmatch(host) is None
+    ):
+        return None
+    second = now_ns // _NS
+    last, head = _line_second[0]
+    if second != last:
+        stamp = format_ts(datetime.fromtimestamp(second, UTC))[:-5]  # drop ".000Z"
+        head = '{"ts":"' + stamp
+        _line_second[0] = (second, head)
+    return '%s.%03dZ","protocol":"%s","host":"%s","port":%d,"decision":"%s","reason":"%s"}' % (  # noqa: UP031 (measured: faster than an f-string here)
+        head,
+        now_ns // _NS_PER_MS % 1000,
+        protocol.value,
+        host,
+        port,
+        decision.value,
+        reason.value,
+    )
 
 
 def parse_ts(text: object) -> datetime:
@@ -416,7 +466,11 @@ class _FdSink:
         return self._fd
 
     def write(self, record: AuditRecord) -> None:
-        self._write_line(record.to_json().encode("ascii"))
+        self.write_json(record.to_json())
+
+    def write_json(self, text: str) -> None:
+        """Write one record given as its JSON text (``record.to_json()`` or decision_line())."""
+        self._write_line(text.encode("ascii"))
 
     def _write_line(self, line: bytes) -> None:
         fd = self.fileno()
@@ -592,7 +646,10 @@ class JsonlFileSink(_FdSink):
         self._size = info.st_size
 
     def write(self, record: AuditRecord) -> None:
-        line = record.to_json().encode("ascii")
+        self.write_json(record.to_json())
+
+    def write_json(self, text: str) -> None:
+        line = text.encode("ascii")
         with self._lock:
             if self.max_bytes is not None:
                 # The line, its newline, and the newline that ends a torn tail, if any.

@@ -111,8 +111,25 @@ def _add_serve(sub: Subparsers) -> None:
         help="report mode: let names outside the allow list through, audited as would_deny "
         "(private/special addresses, deny entries and bad hosts stay refused)",
     )
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        metavar="N|auto",
+        help="worker processes sharing the ports (SO_REUSEPORT), 1-256; auto: one per usable "
+        "CPU (default 1: one process, no fork); [limits] max_connections is split among them",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no per-connection line on stderr")
     _add_nameserver(p)
+
+
+def _workers(text: str) -> int:
+    from egressbox.workers import worker_count
+
+    try:
+        return worker_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_run(sub: Subparsers) -> None:
@@ -151,6 +168,23 @@ def _add_run(sub: Subparsers) -> None:
         metavar="PATH",
         help="a directory the command may write (repeatable; added to [filesystem] write_roots; "
         "default: the current directory)",
+    )
+    p.add_argument(
+        "--process-read-root",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a directory the command's tools may read, e.g. a cache (repeatable; added to "
+        "[filesystem] process_read_roots); not a workspace",
+    )
+    p.add_argument(
+        "--process-write-root",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a directory the command's tools may write, e.g. ~/.cache/pip (repeatable; added "
+        "to [filesystem] process_write_roots); not a workspace: never the default directory, "
+        "TMPDIR or a cache location",
     )
     p.add_argument(
         "--env",
@@ -463,6 +497,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         audit_max_bytes=args.audit_max_bytes,
         audit_keep=args.audit_keep,
         report_only=args.report_only,
+        workers=args.workers,
     )
     return serve(options)
 

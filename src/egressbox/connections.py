@@ -1,10 +1,10 @@
 """Per-connection glue for the HTTP and SOCKS5 listeners.
 
 Each class feeds bytes to its sans-IO parser until a request is complete,
-then one Task decides (audited before any reply), dials the checked
-addresses and either answers with a refusal or hands both sockets to the
-relay. Refusals close with a short linger so the reply is not lost to a
-reset when the client has sent bytes the proxy will never read.
+then decides (audited before any reply; see `Connection.begin`), dials the
+checked addresses and either answers with a refusal or hands both
+transports to the relay. Refusals close with a short linger so the reply is
+not lost to a reset when the client has sent bytes the proxy will never read.
 """
 
 from __future__ import annotations
@@ -93,24 +93,12 @@ class HttpConnection(_Lingering):
         if head is None:
             return
         if head.kind is http1.RequestKind.CONNECT:
-            self.start(lambda: self.connect(head, self.parser.trailing))
+            self.begin(head.host, head.port, self.parser.trailing)
         else:
-            from egressbox.forward import forward
+            from egressbox.forward import start_forwarding
 
             self.protocol_name = AuditProtocol.HTTP
-            self.start(lambda: forward(self, head, self.parser.trailing))
-
-    async def connect(self, head: http1.RequestHead, trailing: bytes) -> None:
-        decision = await self.decide(head.host, head.port)
-        if not decision.allowed:
-            self.refuse(decision)
-            return
-        try:
-            upstream = await self.dial_pinned(decision)
-        except DialError as exc:
-            self.dial_failed(decision, exc)
-            return
-        await self.tunnel(upstream, decision, trailing, http1.connect_established())
+            start_forwarding(self, head, self.parser.trailing)
 
     async def bad_port(self, connect: bool) -> None:
         """A target port outside 1-65535 is a decision (bad_port), audited like any other."""
@@ -132,6 +120,9 @@ class HttpConnection(_Lingering):
         self.log_refusal(decision, f"upstream: {exc}")
         status = dial_http_status(exc.reason.value)
         self.reply_and_close(http1.error_reply(status, exc.reason.value, str(exc)))
+
+    def established(self, upstream: asyncio.Transport) -> bytes:
+        return http1.connect_established()
 
 
 class SocksConnection(_Lingering):
@@ -155,7 +146,7 @@ class SocksConnection(_Lingering):
             if isinstance(event, socks5.ConnectRequest):
                 if out and self.transport is not None:
                     self.transport.write(out)
-                self.start(functools.partial(self.connect, event))
+                self.begin(event.host, event.port, self.machine.trailing)
                 return
         if out and self.transport is not None:
             self.transport.write(out)
@@ -173,22 +164,17 @@ class SocksConnection(_Lingering):
         with contextlib.suppress(AuditError):
             self.state.emit(record)
 
-    async def connect(self, request: socks5.ConnectRequest) -> None:
-        decision = await self.decide(request.host, request.port)
-        if not decision.allowed:
-            self.log_refusal(decision)
-            self.reply_and_close(
-                self.machine.reply_failure(socks5.ReplyCode(socks_code(decision.reason)))
-            )
-            return
-        try:
-            upstream = await self.dial_pinned(decision)
-        except DialError as exc:
-            self.log_refusal(decision, f"upstream: {exc}")
-            self.reply_and_close(
-                self.machine.reply_failure(socks5.ReplyCode(dial_socks_code(exc.reason.value)))
-            )
-            return
-        host, port = upstream.getsockname()[:2]
-        reply = self.machine.reply_success(host, port)
-        await self.tunnel(upstream, decision, self.machine.trailing, reply)
+    def refuse(self, decision: Decision) -> None:
+        self.log_refusal(decision)
+        self.reply_and_close(
+            self.machine.reply_failure(socks5.ReplyCode(socks_code(decision.reason)))
+        )
+
+    def dial_failed(self, decision: Decision, exc: DialError) -> None:
+        self.log_refusal(decision, f"upstream: {exc}")
+        code = socks5.ReplyCode(dial_socks_code(exc.reason.value))
+        self.reply_and_close(self.machine.reply_failure(code))
+
+    def established(self, upstream: asyncio.Transport) -> bytes:
+        host, port = upstream.get_extra_info("sockname")[:2]
+        return self.machine.reply_success(host, port)

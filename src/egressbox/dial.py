@@ -9,6 +9,14 @@ overall timeout or cancellation). Each attempt is a non-blocking socket watched
 with `loop.add_writer` (no Task per attempt, no resolver on any path: addresses
 are passed to `connect` as numeric text built from their packed bytes).
 
+`start_connect()` is the proxy's own path: the same order, stagger, timeout and
+failure codes, but each attempt is the event loop's `create_connection` to a
+numeric host (no resolver: uvloop and asyncio both parse numeric text without
+getaddrinfo), so the winning transport is made directly with the caller's
+protocol (a relay side) instead of a socket that must be wrapped afterwards
+(measured: ~55 us less proxy CPU per short tunnel than `dial()` plus
+`connect_accepted_socket`). It reports through a callback, not a coroutine.
+
 Failures map to `DialError` with a `DialFailure` code; the server turns these
 into HTTP 502/504 and SOCKS5 replies 0x05/0x04/0x03/0x01. Messages name the
 address and port only.
@@ -24,17 +32,21 @@ import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
+from typing import cast
 
 from egressbox.addresses import IPAddress
 from egressbox.errors import EgressboxError
 
 __all__ = [
     "DEFAULT_STAGGER",
+    "DialCallback",
     "DialError",
     "DialFailure",
+    "Dialing",
     "dial",
     "failure_for",
     "interleave_families",
+    "start_connect",
 ]
 
 # RFC 8305 §5 "Connection Attempt Delay": the recommended default is 250 ms.
@@ -376,3 +388,262 @@ async def dial(
         raise _timeout_error(order, port, timeout) from None
     finally:
         race.close()
+
+
+# -- start_connect: transports made by the event loop, reported by callback -----------
+
+# What start_connect reports, exactly once (unless cancelled first): the
+# connected transport, or the DialError saying why there is none.
+DialCallback = Callable[["asyncio.Transport | None", "DialError | None"], None]
+
+
+def _ip_text(address: IPAddress) -> str:
+    """Numeric text built from the packed bytes: no scope id, nothing to resolve."""
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, address.packed)
+
+
+def _failure_of(address: IPAddress, port: int, exc: BaseException) -> DialError:
+    if isinstance(exc, OSError):
+        return _attempt_error(address, port, exc)
+    # Not an OSError (a loop's own error): still no connection, and still only
+    # the address and port in the message.
+    return DialError(DialFailure.CONNECT_FAILED, f"connection to {_show(address, port)} failed")
+
+
+class Dialing:
+    """A connection being made by `start_connect`; `cancel()` closes whatever it opened."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+class _One(Dialing):
+    """One address: one create_connection and one timer (the common case)."""
+
+    __slots__ = ("address", "on_done", "port", "task", "timed_out", "timeout", "timer")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        address: IPAddress,
+        port: int,
+        protocol: asyncio.Protocol,
+        on_done: DialCallback,
+        *,
+        timeout: float,
+    ) -> None:
+        self.address = address
+        self.port = port
+        self.timeout = timeout
+        self.on_done: DialCallback | None = on_done
+        self.timed_out = False
+        self.task = loop.create_task(
+            loop.create_connection(lambda: protocol, _ip_text(address), port)
+        )
+        self.timer = loop.call_later(timeout, self._expire)
+        self.task.add_done_callback(self._done)
+
+    def _expire(self) -> None:
+        self.timed_out = True
+        self.task.cancel()
+
+    def _done(self, task: asyncio.Task[tuple[asyncio.BaseTransport, asyncio.BaseProtocol]]) -> None:
+        self.timer.cancel()
+        on_done, self.on_done = self.on_done, None
+        if task.cancelled():
+            if on_done is not None and self.timed_out:
+                on_done(None, _timeout_error((self.address,), self.port, self.timeout))
+            return
+        exc = task.exception()
+        if exc is not None:
+            if on_done is not None:
+                on_done(None, _failure_of(self.address, self.port, exc))
+            return
+        transport = cast(asyncio.Transport, task.result()[0])
+        if on_done is None:  # cancelled after the connection was made
+            transport.abort()
+            return
+        on_done(transport, None)
+
+    def cancel(self) -> None:
+        self.on_done = None
+        self.timer.cancel()
+        self.task.cancel()
+
+
+class _Claim(asyncio.Protocol):
+    """An attempt's protocol until it connects: the first to connect hands its
+    transport to the caller's protocol at once (before any read), the others close."""
+
+    __slots__ = ("race", "task")
+
+    def __init__(self, race: _Many) -> None:
+        self.race = race
+        self.task: asyncio.Task[object] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.race._connected(self, cast(asyncio.Transport, transport))
+
+
+class _Many(Dialing):
+    """Staggered attempts over several addresses (RFC 8305); the first to connect wins."""
+
+    __slots__ = (
+        "attempts",
+        "closed",
+        "failures",
+        "loop",
+        "on_done",
+        "order",
+        "pending",
+        "port",
+        "protocol",
+        "stagger",
+        "stagger_timer",
+        "timeout",
+        "timer",
+        "winner",
+        "winner_task",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        order: list[IPAddress],
+        port: int,
+        protocol: asyncio.Protocol,
+        on_done: DialCallback,
+        *,
+        timeout: float,
+        stagger: float,
+    ) -> None:
+        self.loop = loop
+        self.order = order
+        self.pending = deque(order)
+        self.port = port
+        self.protocol = protocol
+        self.on_done: DialCallback | None = on_done
+        self.timeout = timeout
+        self.stagger = stagger
+        self.closed = False
+        self.winner: asyncio.Transport | None = None
+        self.winner_task: asyncio.Task[object] | None = None
+        self.attempts: dict[asyncio.Task[object], IPAddress] = {}
+        self.failures: list[tuple[DialFailure, IPAddress, DialError]] = []
+        self.stagger_timer: asyncio.TimerHandle | None = None
+        self.timer = loop.call_later(timeout, self._expire)
+        self._start_next()
+
+    def _start_next(self) -> None:
+        if self.stagger_timer is not None:
+            self.stagger_timer.cancel()
+            self.stagger_timer = None
+        if self.closed or not self.pending:
+            return
+        address = self.pending.popleft()
+        claim = _Claim(self)
+        task: asyncio.Task[object] = self.loop.create_task(
+            self.loop.create_connection(lambda: claim, _ip_text(address), self.port)
+        )
+        claim.task = task
+        self.attempts[task] = address
+        task.add_done_callback(self._attempt_done)
+        if self.pending:
+            self.stagger_timer = self.loop.call_later(self.stagger, self._start_next)
+
+    def _connected(self, claim: _Claim, transport: asyncio.Transport) -> None:
+        if self.closed or self.winner is not None:
+            transport.abort()  # a later attempt, or the dial is over
+            return
+        self.winner = transport
+        self.winner_task = claim.task
+        transport.set_protocol(self.protocol)
+        self.protocol.connection_made(transport)
+        self.timer.cancel()
+        if self.stagger_timer is not None:
+            self.stagger_timer.cancel()
+            self.stagger_timer = None
+
+    def _attempt_done(self, task: asyncio.Task[object]) -> None:
+        address = self.attempts.pop(task)
+        exc = None if task.cancelled() else task.exception()
+        if self.closed:
+            return
+        if self.winner is not None:
+            if task is self.winner_task:
+                if exc is None and not task.cancelled():
+                    self._finish(self.winner, None)
+                else:  # connection_made ran, then the loop failed the attempt
+                    self.winner.abort()
+                    self._finish(None, _failure_of(address, self.port, exc or OSError()))
+            return
+        if exc is not None:
+            error = _failure_of(address, self.port, exc)
+            self.failures.append((error.reason, address, error))
+        if self.pending:
+            self._start_next()  # a failure starts the next at once (RFC 8305 §5)
+        elif not self.attempts:
+            self._finish(None, self._failure())
+
+    def _failure(self) -> DialError:
+        if not self.failures:
+            return DialError(DialFailure.CONNECT_FAILED, "no connection attempt completed")
+        ranked = min(self.failures, key=lambda item: _FAILURE_PRIORITY.index(item[0]))
+        return ranked[2]
+
+    def _expire(self) -> None:
+        self._finish(None, _timeout_error(self.order, self.port, self.timeout))
+
+    def _finish(self, transport: asyncio.Transport | None, error: DialError | None) -> None:
+        on_done, self.on_done = self.on_done, None
+        self._close()
+        if on_done is not None:
+            on_done(transport, error)
+
+    def _close(self) -> None:
+        self.closed = True
+        self.timer.cancel()
+        if self.stagger_timer is not None:
+            self.stagger_timer.cancel()
+            self.stagger_timer = None
+        for task in list(self.attempts):
+            task.cancel()
+
+    def cancel(self) -> None:
+        self.on_done = None
+        self._close()
+        if self.winner is not None:
+            self.winner.abort()
+
+
+def start_connect(
+    addresses: Sequence[IPAddress],
+    port: int,
+    protocol: asyncio.Protocol,
+    on_done: DialCallback,
+    *,
+    timeout: float,
+    stagger: float = DEFAULT_STAGGER,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> Dialing:
+    """Connect `protocol` to one of `addresses` on `port`, as `dial()` would choose.
+
+    The winning transport is made with `protocol` as its protocol (its
+    `connection_made` runs before any byte is read); TCP_NODELAY is set by the
+    loop. `on_done(transport, None)` or `on_done(None, DialError)` is called
+    once, from a loop callback, unless `cancel()` came first: that closes every
+    socket the dial opened, the winner's too, and nothing is reported. A
+    connection cancelled between `connection_made` and the report may still
+    see `connection_lost`. `ValueError` for no addresses or a bad port.
+    `loop` (default: the running loop) saves a lookup for a caller that has it.
+    """
+    order = list(addresses) if len(addresses) == 1 else interleave_families(addresses)
+    _check_arguments(order, port, timeout, stagger)
+    if loop is None:
+        loop = asyncio.get_running_loop()
+    if len(order) == 1:
+        return _One(loop, order[0], port, protocol, on_done, timeout=timeout)
+    return _Many(loop, order, port, protocol, on_done, timeout=timeout, stagger=stagger)

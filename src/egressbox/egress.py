@@ -4,10 +4,17 @@
 that no allow entry admits), resolves with the proxy's own resolver, judges
 every address and returns a Decision whose addresses are the only ones the
 dialer may use.
+
+`check_now()` is the same decision without awaiting: it returns the Decision
+when no DNS query is needed (an IP literal, a name the rules deny, a name the
+resolver answers from its cache or the hosts file), and otherwise a `Pending`
+whose `finish()` does the query and the rest. `check()` is `check_now()` plus
+`finish()`, so both paths decide alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from egressbox.decide import (
@@ -25,7 +32,71 @@ from egressbox.errors import HostError, ResolveError
 from egressbox.policy import Policy
 
 if TYPE_CHECKING:
-    from egressbox.resolve import Resolver
+    from egressbox.resolve import Resolution, Resolver
+
+
+class Pending:
+    """A decision that needs a DNS query: the name rules passed, the addresses are to come.
+
+    Keeps the policy, resolver and endpoints it was started with, so a policy
+    swapped meanwhile cannot mix two policies into one decision.
+    """
+
+    __slots__ = ("passed", "policy", "resolver", "self_endpoints")
+
+    def __init__(
+        self, policy: Policy, resolver: Resolver, passed: NamePass, self_endpoints: SelfEndpoints
+    ) -> None:
+        self.policy = policy
+        self.resolver = resolver
+        self.passed = passed
+        self.self_endpoints = self_endpoints
+
+    async def finish(self) -> Decision:
+        """Resolve the name and judge its addresses."""
+        passed = self.passed
+        try:
+            answer = await self.resolver.resolve(passed.target.host.text)
+        except ResolveError as exc:
+            rule = passed.rule.text if passed.rule is not None else None
+            return deny(exc.reason, passed.target, str(exc), rule=rule)
+        return _judge(self.policy, passed, answer, self.self_endpoints)
+
+
+def _judge(
+    policy: Policy, passed: NamePass, answer: Resolution, self_endpoints: SelfEndpoints
+) -> Decision:
+    return decide_addresses(
+        policy, passed, answer.addresses, names=answer.names, self_endpoints=self_endpoints
+    )
+
+
+def check_now(
+    policy: Policy | None,
+    resolver: Resolver,
+    host: str,
+    port: int | str,
+    *,
+    self_endpoints: SelfEndpoints = NO_SELF,
+) -> Decision | Pending:
+    """The decision for `host:port` if it needs no DNS query, else a Pending to finish."""
+    try:
+        target = parse_target(host, port)
+    except HostError as exc:
+        return bad_target(exc, port)
+    named = decide_name(policy, target)
+    if isinstance(named, Decision):
+        return named
+    assert policy is not None  # decide_name returns a Decision without a policy
+    ip = target.host.ip
+    if ip is not None:
+        return decide_addresses(policy, named, (ip,), self_endpoints=self_endpoints)
+    lookup: Callable[[str], Resolution | None] | None = getattr(resolver, "resolve_now", None)
+    if lookup is not None:
+        answer = lookup(target.host.text)
+        if answer is not None:
+            return _judge(policy, named, answer, self_endpoints)
+    return Pending(policy, resolver, named, self_endpoints)
 
 
 async def check(
@@ -37,28 +108,7 @@ async def check(
     self_endpoints: SelfEndpoints = NO_SELF,
 ) -> Decision:
     """Decide whether `host:port` may be reached, resolving it if needed."""
-    try:
-        target = parse_target(host, port)
-    except HostError as exc:
-        return bad_target(exc, port)
-    named = decide_name(policy, target)
-    if isinstance(named, Decision):
-        return named
-    assert policy is not None  # decide_name returns a Decision without a policy
-    return await _check_addresses(policy, resolver, named, self_endpoints)
-
-
-async def _check_addresses(
-    policy: Policy, resolver: Resolver, passed: NamePass, self_endpoints: SelfEndpoints
-) -> Decision:
-    host = passed.target.host
-    if host.ip is not None:
-        return decide_addresses(policy, passed, (host.ip,), self_endpoints=self_endpoints)
-    try:
-        answer = await resolver.resolve(host.text)
-    except ResolveError as exc:
-        rule = passed.rule.text if passed.rule is not None else None
-        return deny(exc.reason, passed.target, str(exc), rule=rule)
-    return decide_addresses(
-        policy, passed, answer.addresses, names=answer.names, self_endpoints=self_endpoints
-    )
+    decided = check_now(policy, resolver, host, port, self_endpoints=self_endpoints)
+    if isinstance(decided, Pending):
+        return await decided.finish()
+    return decided

@@ -1,14 +1,30 @@
 """Plain HTTP forwarding (absolute-form `http://` and `ws://` requests) on the HTTP listener.
 
 Each request on a client connection is decided afresh (a kept-alive client
-may ask for another host next), gets its own upstream connection to the
-checked addresses (never pooled across client requests, so one client's
-request can never be answered on another's connection), and the upstream
-response is framed by the sans-IO `ResponseFramer`, so the proxy knows
-exactly where it ends. Denials and 4xx replies carry `Connection: close`
-and end the connection, so an unread request body is never parsed as a
-request. The decision is made before anything is sent upstream, so an
-`Expect: 100-continue` client never sees a 100 for a refused destination.
+may ask for another host next) and audited before anything is sent upstream,
+so an `Expect: 100-continue` client never sees a 100 for a refused
+destination. The upstream response is framed by the sans-IO `ResponseFramer`,
+so the proxy knows exactly where it ends. Denials and 4xx replies carry
+`Connection: close` and end the connection, so an unread request body is
+never parsed as a request.
+
+Upstream connections are never shared between client connections. One
+client connection keeps its upstream connection for its next request only
+when that request's own decision admits the same host, port and address
+(the address the connection is connected to is one the new decision
+checked), and the previous response ended cleanly with nothing after it
+(`ResponseFramer.reusable`). This is per-connection persistence, not a pool
+(HAProxy's `http-reuse never` does the same): it saves a TCP connect and
+accept per request, which is most of a small request's cost. A request sent
+on a kept connection that the upstream had closed meanwhile (its keep-alive
+timeout raced our write) is retried once on a fresh connection when nothing
+of the response had arrived and the request had no body.
+
+Everything runs on asyncio Protocol callbacks: the client transport is
+taken over from the listener's protocol, the upstream connection has a small
+protocol of its own, and flow control pauses the reading side whenever the
+writing side's buffer is full. A Task runs only while a decision waits for
+DNS or a connection is dialled.
 
 An upgrade request (a WebSocket: `GET ws://...` with `Upgrade: websocket`)
 that the upstream answers with 101 turns the connection into a raw byte
@@ -20,253 +36,612 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import socket
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, NamedTuple
+import enum
+import ipaddress
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, cast
 
 from egressbox.decide import Decision
 from egressbox.dial import DialError
+from egressbox.hosts import IPAddress, format_authority
 from egressbox.protocols import http1
 from egressbox.replies import dial_http_status, http_status
 
 if TYPE_CHECKING:
     from egressbox.connections import HttpConnection
 
-# Read size for both directions: the relay's figure (one asyncio read).
-READ_SIZE = 256 * 1024
-# After a refusal, drop what the client still sends for this long, then close.
+# After a refusal, drop what the client still sends for this long (and at
+# most this much), then close: closing with unread data would reset the
+# connection under the reply (nginx's lingering_close does the same).
 LINGER_SECONDS = 2.0
+LINGER_BYTES = 256 * 1024
+# Client bytes held while a request is decided, dialled or answered (the next
+# pipelined requests, or a body arriving before the upstream connection is
+# up): reading stops above this, so a client cannot fill the proxy's memory.
+MAX_PENDING_BYTES = 256 * 1024
+# Methods that may be sent again when a kept upstream connection turns out
+# to be closed before any byte of the response came back (RFC 9110 §9.2.2).
+RETRYABLE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
-class _DoneError(Exception):
-    """The client connection ends here (a refusal was sent, or a side failed)."""
+class _Phase(enum.Enum):
+    HEAD = "head"  # reading the next request head
+    DECIDING = "deciding"  # the decision or the dial is in flight
+    EXCHANGE = "exchange"  # request body up, response down
+    UPGRADED = "upgraded"  # after a 101: raw bytes both ways
+    CLOSING = "closing"  # a refusal went out; dropping what the client sends
+    CLOSED = "closed"
 
 
-class _Sent(NamedTuple):
-    """How a response went out: keep the client connection, its status, and
-    after a 101 the upstream's bytes that followed it (None: no upgrade)."""
+class _Upstream(asyncio.Protocol):
+    """One upstream connection: every event goes to its forwarder."""
 
-    keep_alive: bool
-    status: int
-    upgraded: bytes | None = None
+    def __init__(self, owner: Forwarder, host: str, port: int, address: IPAddress) -> None:
+        self.owner = owner
+        self.host = host
+        self.port = port
+        self.address = address
+        self.transport: asyncio.Transport | None = None
+        self.received = False  # a response byte came on this connection for the request
+        self.eof = False
+        self.lost = False
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
 
-class Client:
-    """The client side as streams, with bytes already read kept in front."""
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        self.owner.upstream_data(self, data)
 
-    def __init__(self, transport: asyncio.Transport, first: bytes) -> None:
-        # Move the paused protocol-based transport over to streams.
-        loop = asyncio.get_running_loop()
-        self.reader = asyncio.StreamReader(limit=READ_SIZE)
-        protocol = asyncio.StreamReaderProtocol(self.reader)
-        transport.set_protocol(protocol)
-        protocol.connection_made(transport)
-        self.writer = asyncio.StreamWriter(transport, protocol, self.reader, loop)
-        self.pending = first
-        transport.resume_reading()
+    def eof_received(self) -> bool:
+        self.eof = True
+        return self.owner.upstream_eof(self)
 
-    async def read(self) -> bytes:
-        if self.pending:
-            data, self.pending = self.pending, b""
-            return data
-        return await self.reader.read(READ_SIZE)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.owner.upstream_lost(self)
 
-    def unread(self, data: bytes) -> None:
-        self.pending = data + self.pending
+    def pause_writing(self) -> None:
+        self.owner.upstream_blocked(self, True)
 
-    async def refuse(self, reply: bytes) -> None:
-        """Send a final reply, half-close, and drop what the client still sends."""
-        writer = self.writer
-        # OSError, not only ConnectionError: write_eof() on a connection the
-        # client has already reset raises ENOTCONN.
-        with contextlib.suppress(OSError, RuntimeError):
-            writer.write(reply)
-            if writer.can_write_eof():
-                writer.write_eof()
-            await writer.drain()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._discard(), LINGER_SECONDS)
+    def resume_writing(self) -> None:
+        self.owner.upstream_blocked(self, False)
 
-    async def _discard(self) -> None:
-        while await self.reader.read(READ_SIZE):
-            pass
+    def admits(self, decision: Decision) -> bool:
+        """May this connection carry a request that `decision` allowed?"""
+        return (
+            not self.lost
+            and not self.eof
+            and self.transport is not None
+            and not self.transport.is_closing()
+            and self.host == decision.host
+            and self.port == decision.port
+            and self.address in decision.addresses
+        )
 
+    def write(self, data: bytes) -> None:
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
 
-async def forward(conn: HttpConnection, head: http1.RequestHead, trailing: bytes) -> None:
-    """Serve plain HTTP requests on one client connection until it ends."""
-    assert conn.transport is not None
-    client = Client(conn.transport, trailing)
-    try:
-        request: http1.RequestHead | None = head
-        while request is not None:
-            await _one_request(conn, request, client)
-            request = await _next_head(conn, client)
-    except (_DoneError, ConnectionError):
-        pass
-    finally:
-        conn.state.connections.discard(conn)
-        client.writer.close()
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
 
-async def _next_head(conn: HttpConnection, client: Client) -> http1.RequestHead | None:
-    """Read the next request head on a kept-alive connection (None: client closed)."""
-    limits = conn.state.limits
-    parser = http1.RequestHeadParser(limits.max_head_bytes)
-    timeout = limits.idle_timeout  # waiting for a new request may take a while...
-    while True:
+def start_forwarding(conn: HttpConnection, head: http1.RequestHead, trailing: bytes) -> None:
+    """Take over the connection's transport and serve its plain HTTP requests."""
+    transport = conn.transport
+    assert transport is not None
+    conn.cancel_timer()
+    transport.pause_reading()  # the forwarder resumes it when it wants bytes
+    forwarder = Forwarder(conn, transport)
+    transport.set_protocol(forwarder)
+    forwarder.begin(head, trailing)
+
+
+class Forwarder(asyncio.Protocol):
+    """The client side of one forwarding connection, from its first request to its close."""
+
+    def __init__(self, conn: HttpConnection, transport: asyncio.Transport) -> None:
+        self.conn = conn
+        self.state = conn.state
+        self.limits = conn.state.limits
+        self.client = transport
+        # Client bytes not yet given to a parser or body reader: what came while
+        # a decision was in flight, and everything after the request body.
+        self.pending = b""
+        self.head_started = False  # part of the next head has arrived
+        self.loop = asyncio.get_running_loop()
+        self.phase = _Phase.HEAD
+        self.parser: http1.RequestHeadParser | None = None
+        self.request: http1.RequestHead | None = None
+        self.decision: Decision | None = None
+        self.body: http1.RequestBodyReader | None = None
+        self.framer: http1.ResponseFramer | None = None
+        self.upstream: _Upstream | None = None
+        self.reused = False  # the request went out on a kept connection
+        self.status = 0
+        self.closing = False  # the response head told the client `Connection: close`
+        self.client_eof = False
+        self.reading = False  # the client transport is being read (it starts paused)
+        self.up_blocked = False  # the upstream's write buffer is full
+        self.dropped = 0  # bytes dropped while lingering
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0  # when `timer` fires
+        self.task: asyncio.Task[None] | None = None
+
+    # -- the client transport's protocol -------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        phase = self.phase
+        if phase is _Phase.HEAD:
+            self._head_bytes(data)
+        elif phase is _Phase.EXCHANGE:
+            self._touch(self.limits.idle_timeout)
+            assert self.body is not None
+            if self.body.done:
+                self._stash(data)
+            else:
+                self._body_bytes(data)
+        elif phase is _Phase.UPGRADED:
+            self._touch(self.limits.idle_timeout)
+            assert self.upstream is not None
+            self.upstream.write(data)
+        elif phase is _Phase.CLOSING:
+            self.dropped += len(data)
+            if self.dropped > LINGER_BYTES:
+                self._close_client()
+        elif phase is _Phase.DECIDING:
+            # Paused, but a transport may hand over one read already made.
+            self._stash(data)
+
+    def eof_received(self) -> bool:
+        self.client_eof = True
+        phase = self.phase
+        if phase is _Phase.EXCHANGE and self.body is not None and not self.body.done:
+            self._end()  # the request body was cut short: nothing sensible to send
+            return False
+        if phase is _Phase.UPGRADED:
+            assert self.upstream is not None
+            self._upstream_write_eof(self.upstream)
+            if self.upstream.eof:
+                self._close_client()
+                return False
+            return True
+        # Answer the request in flight, then close (the client may half-close
+        # after sending it); anything else ends here.
+        return phase is _Phase.EXCHANGE or phase is _Phase.DECIDING
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.phase = _Phase.CLOSED
+        self._cancel_timer()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self.task = None
+        if self.upstream is not None:
+            self.upstream.close()
+            self.upstream = None
+        self.state.connections.discard(self.conn)
+
+    def pause_writing(self) -> None:
+        if self.upstream is not None and self.upstream.transport is not None:
+            with contextlib.suppress(RuntimeError):
+                self.upstream.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upstream is not None and self.upstream.transport is not None:
+            with contextlib.suppress(RuntimeError):
+                self.upstream.transport.resume_reading()
+
+    # -- requests ------------------------------------------------------------------
+
+    def begin(self, head: http1.RequestHead, trailing: bytes) -> None:
+        self._request(head, trailing)
+
+    def _head_bytes(self, data: bytes) -> None:
+        if self.parser is None:
+            self.parser = http1.RequestHeadParser(self.limits.max_head_bytes)
         try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for wraps every
-            # read in a new Task, a cost paid per request.
-            async with asyncio.timeout(timeout):
-                data = await client.read()
-        except TimeoutError:
-            return None
-        if not data:
-            return None
-        try:
-            head = parser.feed(data)
+            head = self.parser.feed(data)
         except http1.HttpError as exc:
-            await client.refuse(http1.error_reply(exc.status, "bad_request", str(exc)))
-            return None
-        if head is not None:
-            client.unread(parser.trailing)
-            return head
-        timeout = limits.head_timeout  # ...but once it starts, the head must be quick
-
-
-async def _one_request(conn: HttpConnection, head: http1.RequestHead, client: Client) -> None:
-    """Decide, then forward one request and its response."""
-    decision = await conn.decide(head.host, head.port)
-    if not decision.allowed:
-        conn.log_refusal(decision)
-        status = http_status(decision.reason)
-        await client.refuse(http1.error_reply(status, decision.reason.value, decision.detail))
-        raise _DoneError
-    upstream = await _dial(conn, decision, client)
-    up_reader, up_writer = await asyncio.open_connection(sock=upstream, limit=READ_SIZE)
-    try:
-        await _exchange(conn, head, client, (up_reader, up_writer), decision)
-    finally:
-        up_writer.transport.abort()
-
-
-async def _dial(conn: HttpConnection, decision: Decision, client: Client) -> socket.socket:
-    try:
-        return await conn.dial_pinned(decision)
-    except DialError as exc:
-        conn.log_refusal(decision, f"upstream: {exc}")
-        status = dial_http_status(exc.reason.value)
-        await client.refuse(http1.error_reply(status, exc.reason.value, str(exc)))
-        raise _DoneError from None
-
-
-async def _exchange(
-    conn: HttpConnection,
-    head: http1.RequestHead,
-    client: Client,
-    upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-    decision: Decision,
-) -> None:
-    up_reader, up_writer = upstream
-    up_writer.write(http1.forward_head(head))
-    body = http1.RequestBodyReader(head.body)
-    loop = asyncio.get_running_loop()
-    pump: asyncio.Future[None]
-    if body.done:  # no body (most GETs): no Task to start
-        pump = loop.create_future()
-        pump.set_result(None)
-    else:
-        pump = loop.create_task(_pump_body(client, body, up_writer))
-    try:
-        sent = await _relay_response(conn, head, up_reader, client, (pump, body))
-    finally:
-        if not pump.done():
-            pump.cancel()
-        with contextlib.suppress(BaseException):
-            await pump
-    conn.state.diagnostic(
-        f"http {decision.host}:{decision.port} {decision.verdict.value} "
-        f"{decision.reason.value} status={sent.status}"
-    )
-    if sent.upgraded is not None:
-        # No body was read (an upgrade request has none): whatever the client
-        # sent after the head is already the new protocol's, still in `client`.
-        await _splice(client, upstream, sent.upgraded, conn.state.limits.idle_timeout)
-        raise _DoneError
-    if not (sent.keep_alive and body.done and head.keep_alive):
-        raise _DoneError
-    client.unread(body.trailing)
-
-
-async def _pump_body(
-    client: Client, body: http1.RequestBodyReader, up_writer: asyncio.StreamWriter
-) -> None:
-    """Client request body -> upstream, re-framed; stops exactly at the body's end."""
-    while not body.done:
-        data = await client.read()
-        if not data:
-            body.feed_eof()
+            self._refuse(http1.error_reply(exc.status, "bad_request", str(exc)))
             return
-        out = body.feed(data)
-        if out:
-            up_writer.write(out)
-            await up_writer.drain()
+        if head is None:
+            if not self.head_started:  # a new head starts: all of it must come in time
+                self.head_started = True
+                self._deadline_within(self.limits.head_timeout)
+            return
+        self.head_started = False
+        trailing = self.parser.trailing
+        self.parser = None
+        self._request(head, trailing)
 
+    def _request(self, head: http1.RequestHead, pending: bytes) -> None:
+        """Decide `head`, then send it upstream; `pending` is what the client sent after it."""
+        self.phase = _Phase.DECIDING
+        self.request = head
+        self.pending = pending
+        self._touch(self.limits.idle_timeout)  # the decision and the dial time out on their own
+        # Most decisions need no DNS query (an IP literal, a cached name, a
+        # name the rules refuse): those are made and audited right here.
+        decided = self.conn.decide_now(head.host, head.port)
+        if isinstance(decided, Decision):
+            self._decided(decided)
+        else:
+            self._spawn(self._decide_later(head))
 
-async def _relay_response(
-    conn: HttpConnection,
-    head: http1.RequestHead,
-    up_reader: asyncio.StreamReader,
-    client: Client,
-    request_body: tuple[asyncio.Future[None], http1.RequestBodyReader],
-) -> _Sent:
-    """Upstream response -> client: how it went out (see `_Sent`).
+    def _stash(self, data: bytes) -> None:
+        self.pending += data
+        if len(self.pending) > MAX_PENDING_BYTES:
+            self._sync_reading()
 
-    The client connection ends after a 4xx, and after a response that came
-    before the whole request body was read (DESIGN §3); such a head is sent
-    with `Connection: close`, so the client never sends its next request into
-    a connection that is going away. A 101 to an upgrade request is written
-    and returned at once, with the bytes the upstream sent after it.
-    """
-    pump, body = request_body
-    framer = http1.ResponseFramer(head, conn.state.limits.max_head_bytes)
-    status = 0
-    closing = False
-    idle = conn.state.limits.idle_timeout
-    while True:
-        if pump.done() and pump.exception() is not None:
-            # The client's body was malformed or cut short: nothing more to do.
-            raise _DoneError
+    async def _decide_later(self, head: http1.RequestHead) -> None:
+        decision = await self.conn.decide(head.host, head.port)
+        if self.phase is _Phase.DECIDING:
+            self._decided(decision)
+
+    def _decided(self, decision: Decision) -> None:
+        if not decision.allowed:
+            self.conn.log_refusal(decision)
+            status = http_status(decision.reason)
+            self._refuse(http1.error_reply(status, decision.reason.value, decision.detail))
+            return
+        self.decision = decision
+        kept = self.upstream
+        if kept is not None and kept.admits(decision):
+            self._exchange(kept, reused=True)
+            return
+        self._drop_upstream()
+        self._sync_reading()
+        self._spawn(self._connect(decision))
+
+    async def _connect(self, decision: Decision) -> None:
+        upstream = await self._dial(decision)
+        if upstream is not None:
+            self._exchange(upstream, reused=False)
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        """Run `coro` in a Task that connection_lost cancels."""
+        task = self.loop.create_task(self._guard(coro))
+        self.task = task
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if self.task is task:
+            self.task = None
+
+    async def _guard(self, coro: Coroutine[object, object, None]) -> None:
         try:
-            async with asyncio.timeout(idle):
-                data = await up_reader.read(READ_SIZE)
-        except TimeoutError:
-            raise _DoneError from None
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must not kill the server
+            self.state.diagnostic(f"http: internal error while forwarding: {exc!r}")
+            self._end()
+
+    async def _dial(self, decision: Decision) -> _Upstream | None:
+        """A new upstream connection to one of the decision's addresses (None: refused)."""
         try:
-            events = framer.feed(data) if data else framer.feed_eof()
+            sock = await self.conn.dial_pinned(decision)
+        except DialError as exc:
+            self.conn.log_refusal(decision, f"upstream: {exc}")
+            status = dial_http_status(exc.reason.value)
+            self._refuse(http1.error_reply(status, exc.reason.value, str(exc)))
+            return None
+        try:
+            address = ipaddress.ip_address(sock.getpeername()[0].partition("%")[0])
+            upstream = _Upstream(self, decision.host, decision.port, address)
+            await self.loop.connect_accepted_socket(lambda: upstream, sock)
+        except BaseException:
+            sock.close()
+            raise
+        if self.phase is not _Phase.DECIDING:  # the client left meanwhile
+            upstream.close()
+            return None
+        return upstream
+
+    def _exchange(self, upstream: _Upstream, *, reused: bool) -> None:
+        """Send the request head and what there is of its body; the response follows."""
+        head = self.request
+        assert head is not None
+        self.upstream = upstream
+        self.reused = reused
+        upstream.received = False
+        self.status = 0
+        self.closing = False
+        self.framer = http1.ResponseFramer(head, self.limits.max_head_bytes)
+        self.body = http1.RequestBodyReader(head.body)
+        self.phase = _Phase.EXCHANGE
+        keep = head.keep_alive and not self.client_eof
+        upstream.write(http1.forward_head(head, keep_alive=keep))
+        pending, self.pending = self.pending, b""
+        self._touch(self.limits.idle_timeout)
+        if pending:
+            self._body_bytes(pending)
+        if self.phase is _Phase.EXCHANGE:
+            self._sync_reading()
+
+    def _body_bytes(self, data: bytes) -> None:
+        body = self.body
+        assert body is not None and self.upstream is not None
+        try:
+            out = body.feed(data)
+        except http1.HttpError:
+            self._end()  # a malformed body: the upstream got part of it, so only closing is left
+            return
+        self.upstream.write(out)
+        if body.done:
+            # What follows the body waits in `pending` for the response to end.
+            self.pending += body.trailing
+            self._sync_reading()
+
+    # -- the upstream connection -----------------------------------------------------
+
+    def upstream_data(self, upstream: _Upstream, data: bytes) -> None:
+        if upstream is not self.upstream:
+            return
+        if self.phase is _Phase.UPGRADED:
+            self._touch(self.limits.idle_timeout)
+            self._client_write(data)
+            return
+        if self.phase is not _Phase.EXCHANGE:
+            # A kept connection must stay silent between requests: a stray
+            # byte would be taken for the start of the next response.
+            self._drop_upstream()
+            return
+        self._touch(self.limits.idle_timeout)
+        framer = self.framer
+        assert framer is not None
+        try:
+            events = framer.feed(data)
         except http1.HttpError as exc:
-            if status == 0:
-                await client.refuse(http1.error_reply(502, "bad_upstream_response", str(exc)))
-            raise _DoneError from None
-        writer = client.writer
+            self._bad_response(exc)
+            return
+        self._response_events(events)
+
+    def upstream_eof(self, upstream: _Upstream) -> bool:
+        if upstream is not self.upstream:
+            return False
+        if self.phase is _Phase.UPGRADED:
+            if self.client.can_write_eof() and not self.client.is_closing():
+                with contextlib.suppress(OSError):
+                    self.client.write_eof()
+            if self.client_eof:
+                self._close_client()
+                return False
+            return True  # keep sending the client's bytes up
+        self._upstream_ended(upstream)
+        return False
+
+    def upstream_lost(self, upstream: _Upstream) -> None:
+        if upstream is not self.upstream:
+            return
+        if self.phase is _Phase.UPGRADED:
+            self.upstream = None
+            self._close_client()
+            return
+        self._upstream_ended(upstream)
+
+    def _upstream_ended(self, upstream: _Upstream) -> None:
+        """The upstream closed its side: the end of a close-delimited body, or trouble."""
+        if self.phase is not _Phase.EXCHANGE:
+            if upstream is self.upstream:
+                self.upstream = None  # a kept connection the upstream closed: dial anew next time
+            return
+        if self._retry(upstream):
+            return
+        framer = self.framer
+        assert framer is not None
+        try:
+            events = framer.feed_eof()
+        except http1.HttpError as exc:
+            self._bad_response(exc)
+            return
+        self._response_events(events)
+
+    def _retry(self, upstream: _Upstream) -> bool:
+        """Send the request again on a new connection, if it is safe (see the module doc)."""
+        head, body = self.request, self.body
+        if not (self.reused and not upstream.received and head is not None and body is not None):
+            return False
+        if head.method not in RETRYABLE_METHODS or head.body.kind is not http1.FramingKind.NONE:
+            return False
+        decision = self.decision
+        assert decision is not None
+        self.upstream = None
+        upstream.close()
+        self.phase = _Phase.DECIDING
+        self._sync_reading()
+        self._spawn(self._connect(decision))
+        return True
+
+    def upstream_blocked(self, upstream: _Upstream, blocked: bool) -> None:
+        if upstream is self.upstream:
+            self.up_blocked = blocked
+            self._sync_reading()
+
+    # -- the response ----------------------------------------------------------------
+
+    def _response_events(self, events: list[http1.ResponseEvent]) -> None:
+        """Write the events' bytes to the client in one write (one send(2), not one
+        per event), then act on the last one."""
+        body = self.body
+        assert body is not None
+        out: list[bytes] = []
         for event in events:
             data = event.data
             if isinstance(event, http1.ResponseHead):
-                status = event.status
-                closing = event.keep_alive and (status >= 400 or not body.done)
-                if closing:
+                self.status = event.status
+                self.closing = event.keep_alive and (event.status >= 400 or not body.done)
+                if self.closing:
                     data = _closing_head(data)
-            writer.write(data)
+            out.append(data)
             if isinstance(event, http1.Upgraded):
-                await writer.drain()
-                return _Sent(False, 101, framer.trailing)
+                self._client_write(b"".join(out))
+                self._upgraded()
+                return
             if isinstance(event, http1.EndOfMessage):
-                await writer.drain()
-                return _Sent(event.keep_alive and not closing, status)
-        await writer.drain()
-        if not data:
-            raise _DoneError
+                self._client_write(b"".join(out))
+                self._response_done(event.keep_alive and not self.closing)
+                return
+        self._client_write(b"".join(out))
+
+    def _response_done(self, keep_alive: bool) -> None:
+        head, body, framer, decision = self.request, self.body, self.framer, self.decision
+        assert head is not None and body is not None and framer is not None
+        assert decision is not None
+        self._log(decision)
+        upstream = self.upstream
+        if not (keep_alive and body.done and head.keep_alive and not self.client_eof):
+            self._drop_upstream()
+            self._close_client()
+            return
+        if upstream is not None and not framer.reusable:
+            self._drop_upstream()
+        pending, self.pending = self.pending, b""
+        self.request = self.body = self.framer = self.decision = None
+        self.phase = _Phase.HEAD
+        self._touch(self.limits.idle_timeout)  # a new request may take a while to come
+        if pending:
+            self._head_bytes(pending)
+        if self.phase is _Phase.HEAD:
+            self._sync_reading()
+
+    def _upgraded(self) -> None:
+        """After a 101: relay raw bytes both ways; nothing is parsed as HTTP again."""
+        framer, body, upstream = self.framer, self.body, self.upstream
+        assert framer is not None and body is not None and upstream is not None
+        assert self.decision is not None
+        self._log(self.decision)
+        self.phase = _Phase.UPGRADED
+        self._client_write(framer.trailing)
+        # No body was read (an upgrade request has none): whatever the client
+        # sent after the head is already the new protocol's.
+        upstream.write(self.pending)
+        self.pending = b""
+        self.framer = None
+        if self.client_eof:
+            self._upstream_write_eof(upstream)
+        self._sync_reading()
+
+    def _bad_response(self, exc: http1.HttpError) -> None:
+        if self.status == 0:
+            self._refuse(http1.error_reply(502, "bad_upstream_response", str(exc)))
+        else:
+            self._end()  # part of the response went out: only closing is left
+
+    def _log(self, decision: Decision) -> None:
+        if self.state.log is not None:
+            self.state.diagnostic(
+                f"http {format_authority(decision.host, decision.port)} "
+                f"{decision.verdict.value} {decision.reason.value} status={self.status}"
+            )
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _wants_reading(self) -> bool:
+        phase = self.phase
+        if phase is _Phase.HEAD or phase is _Phase.CLOSING:
+            return True
+        if phase is _Phase.EXCHANGE:
+            if self.body is not None and self.body.done:
+                return len(self.pending) <= MAX_PENDING_BYTES
+            return not self.up_blocked
+        if phase is _Phase.DECIDING:
+            return len(self.pending) <= MAX_PENDING_BYTES
+        return phase is _Phase.UPGRADED and not self.up_blocked
+
+    def _sync_reading(self) -> None:
+        wanted = self._wants_reading()
+        if wanted == self.reading or self.client.is_closing():
+            return
+        self.reading = wanted
+        if wanted:
+            self.client.resume_reading()
+        else:
+            self.client.pause_reading()
+
+    def _client_write(self, data: bytes) -> None:
+        if data and not self.client.is_closing():
+            self.client.write(data)
+
+    def _upstream_write_eof(self, upstream: _Upstream) -> None:
+        transport = upstream.transport
+        if transport is not None and transport.can_write_eof() and not transport.is_closing():
+            with contextlib.suppress(OSError):
+                transport.write_eof()
+
+    def _refuse(self, reply: bytes) -> None:
+        """Send a final reply, half-close, and drop what the client still sends."""
+        self._drop_upstream()
+        if self.client.is_closing():
+            return
+        self.phase = _Phase.CLOSING
+        self.client.write(reply)
+        if self.client.can_write_eof():
+            try:
+                self.client.write_eof()
+            except OSError:  # the client is already gone (ENOTCONN after its reset)
+                self._end()
+                return
+        if self.client_eof:
+            self._close_client()
+            return
+        self._sync_reading()
+        self._cancel_timer()
+        self.deadline = self.loop.time() + LINGER_SECONDS
+        self._arm(self.deadline)
+
+    def _drop_upstream(self) -> None:
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            upstream.close()
+
+    def _close_client(self) -> None:
+        """Close after what is buffered for the client went out."""
+        self._cancel_timer()
+        self._drop_upstream()
+        if not self.client.is_closing():
+            self.client.close()
+
+    def _end(self) -> None:
+        """Abort both connections (a side failed, or the exchange cannot go on)."""
+        self._drop_upstream()
+        self.client.abort()
+
+    def _touch(self, seconds: float) -> None:
+        """Set the deadline `seconds` ahead; the timer, if later, is re-armed when it fires."""
+        self.deadline = self.loop.time() + seconds
+        if self.timer is None:
+            self._arm(self.deadline)
+
+    def _deadline_within(self, seconds: float) -> None:
+        """As _touch, but make sure the timer fires by the new deadline."""
+        self._touch(seconds)
+        if self.timer_at > self.deadline:
+            self._cancel_timer()
+            self._arm(self.deadline)
+
+    def _arm(self, when: float) -> None:
+        self.timer_at = when
+        self.timer = self.loop.call_at(when, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if self.phase is _Phase.DECIDING or self.phase is _Phase.CLOSED:
+            return  # the decision and the dial have their own timeouts
+        if self.loop.time() < self.deadline:
+            self._arm(self.deadline)
+            return
+        if self.phase is _Phase.HEAD and self.request is None:
+            self.state.diagnostic("http: no further request within the timeout")
+        self._close_client()
 
 
 def _closing_head(head: bytes) -> bytes:
@@ -277,79 +652,3 @@ def _closing_head(head: bytes) -> bytes:
     """
     head = head.replace(b"\r\nConnection: keep-alive\r\n", b"\r\n")
     return head[:-2] + b"Connection: close\r\n\r\n"
-
-
-async def _splice(
-    client: Client,
-    upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-    to_client: bytes,
-    idle_timeout: float,
-) -> None:
-    """Relay raw bytes both ways after a 101 until both sides are done.
-
-    Each direction passes its EOF on (half-close) once everything before it
-    went out; the relay ends when both have, when a side fails, or after
-    idle_timeout with no byte either way (as relay.py's tunnels). Bounded:
-    each direction holds one read plus the writer's high-water mark. The
-    callers close both connections afterwards; unless both sides finished,
-    the client's is aborted here, dropping what it still buffers.
-    """
-    up_reader, up_writer = upstream
-    loop = asyncio.get_running_loop()
-    last = loop.time()
-
-    def seen() -> None:
-        nonlocal last
-        last = loop.time()
-
-    up_read = functools.partial(up_reader.read, READ_SIZE)
-    flows = {
-        loop.create_task(_copy(client.read, up_writer, b"", seen)),
-        loop.create_task(_copy(up_read, client.writer, to_client, seen)),
-    }
-    finished = False
-    try:
-        pending = flows
-        while pending:
-            wait = max(last + idle_timeout - loop.time(), 0.0)
-            done, pending = await asyncio.wait(
-                pending, timeout=wait, return_when=asyncio.FIRST_EXCEPTION
-            )
-            if any(not task.cancelled() and task.exception() for task in done):
-                return  # a reset or error on one side ends both
-            if pending and loop.time() >= last + idle_timeout:
-                return  # idle both ways
-        finished = True
-    finally:
-        for task in flows:
-            task.cancel()
-        await asyncio.gather(*flows, return_exceptions=True)
-        if not finished:
-            # Drop what is still buffered for a client that may never read it
-            # (the upstream connection is aborted by the caller anyway).
-            client.writer.transport.abort()
-
-
-async def _copy(
-    read: Callable[[], Awaitable[bytes]],
-    writer: asyncio.StreamWriter,
-    first: bytes,
-    seen: Callable[[], None],
-) -> None:
-    """One direction: `first`, then every read, then the EOF once all went out."""
-    data = first
-    while True:
-        if data:
-            seen()
-            writer.write(data)
-            await writer.drain()
-        data = await read()
-        if not data:
-            break
-    # Flush completely before the EOF: the connection is aborted once both
-    # directions are done, which would drop anything still buffered.
-    writer.transport.set_write_buffer_limits(high=0)
-    await writer.drain()
-    if writer.can_write_eof():
-        with contextlib.suppress(OSError):  # the peer is gone: the other flow sees it
-            writer.write_eof()

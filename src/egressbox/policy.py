@@ -86,6 +86,10 @@ class FilesystemSettings:
     write_roots: tuple[str, ...] = ()
     presets: tuple[str, ...] = PRESETS
     deny: tuple[str, ...] = ()  # added to the built-in credential list
+    # Roots the command's tools need (caches, tool state), granted but not
+    # workspaces: no default cwd, TMPDIR, caches or scratch directory there.
+    process_read_roots: tuple[str, ...] = ()
+    process_write_roots: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +149,14 @@ class Policy:
 EGRESS_KEYS = ("allow", "deny", "allow_cidrs", "deny_cidrs", "allow_private", "mode")
 DNS_KEYS = ("nameservers", "timeout", "cache_size", "max_ttl")
 PROCESS_KEYS = ("profile", "timeout", "rlimit_nofile", "rlimit_as")
-FILESYSTEM_KEYS = ("read_roots", "write_roots", "presets", "deny")
+FILESYSTEM_KEYS = (
+    "read_roots",
+    "write_roots",
+    "presets",
+    "deny",
+    "process_read_roots",
+    "process_write_roots",
+)
 ENV_KEYS = ("policy", "grant")
 TOP_KEYS = ("egress", "dns", "limits", "process", "filesystem", "env")
 RULE_TABLE_KEYS = ("host", "private", "broad")
@@ -520,12 +531,44 @@ class _Parser:
                     if self.known_name(n, f"filesystem.presets[{i}]", PRESETS)
                 )
             )
+        write_roots = self.paths(table, "write_roots")
+        read_roots = self.paths(table, "read_roots")
+        process_read = self.paths(table, "process_read_roots")
+        process_write = self.paths(table, "process_write_roots")
+        self.not_workspaces(process_read, "process_read_roots", write_roots, read_roots)
+        self.not_workspaces(process_write, "process_write_roots", write_roots, read_roots)
         return FilesystemSettings(
-            read_roots=self.paths(table, "read_roots"),
-            write_roots=self.paths(table, "write_roots"),
+            read_roots=read_roots,
+            write_roots=write_roots,
             presets=presets,
             deny=self.paths(table, "deny"),
+            process_read_roots=process_read,
+            process_write_roots=process_write,
         )
+
+    def not_workspaces(
+        self,
+        roots: Sequence[str],
+        key: str,
+        write_roots: Sequence[str],
+        read_roots: Sequence[str],
+    ) -> None:
+        """A directory is a workspace (write_roots/read_roots) or a process root, never both."""
+        for i, text in enumerate(roots):
+            other = next(
+                (
+                    name
+                    for name, listed in (("write_roots", write_roots), ("read_roots", read_roots))
+                    if text in listed
+                ),
+                None,
+            )
+            if other is not None:
+                self.problem(
+                    f"filesystem.{key}[{i}]",
+                    f"{text!r} is also in filesystem.{other}; a directory is either a workspace "
+                    f"root or a process root (tool caches and state): remove it from one list",
+                )
 
     def env(self, table: Mapping[str, Any]) -> EnvSettings:
         self.unknown_keys(table, ENV_KEYS, "env.")

@@ -54,8 +54,10 @@ __all__ = [
     "RelayStats",
     "Tunnel",
     "default_pipe_pool",
+    "new_tunnel",
     "open_tunnel",
     "open_tunnel_on_transport",
+    "open_tunnel_with_upstream",
     "relay",
     "take_socket",
 ]
@@ -592,6 +594,11 @@ class Tunnel:
         """Close both sides now, dropping anything unsent (server drain)."""
         self._finish(CloseReason.ABORTED, force=True)
 
+    @property
+    def upstream_protocol(self) -> asyncio.Protocol:
+        """The protocol to make the upstream transport with (see new_tunnel)."""
+        return self._sides[1]
+
     # Start ----------------------------------------------------------------------
 
     async def _open_protocols(self, client: socket.socket, upstream: socket.socket) -> None:
@@ -884,6 +891,67 @@ async def open_tunnel_on_transport(
     client.set_protocol(c)
     c.connection_made(client)
     await tunnel._open_upstream(upstream)
+    tunnel._begin(initial_to_upstream, initial_to_client)
+    return tunnel
+
+
+def new_tunnel(
+    *,
+    idle_timeout: float,
+    splice_threshold: int | None = SPLICE_THRESHOLD,
+    pipes: PipePool | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> Tunnel:
+    """A tunnel not started yet, for an upstream the caller connects itself.
+
+    Make the upstream transport with `tunnel.upstream_protocol` as its protocol
+    (`loop.create_connection(lambda: tunnel.upstream_protocol, ...)`, or
+    `dial.start_connect`), then start the tunnel with open_tunnel_with_upstream().
+    Bytes the upstream sends before that are held and delivered in order. A
+    tunnel whose upstream never connects is simply dropped: it holds nothing.
+    `loop` (default: the running loop) saves a lookup for a caller that has it.
+    """
+    if not idle_timeout > 0:
+        raise ValueError("idle_timeout must be > 0")
+    pool = pipes if pipes is not None else default_pipe_pool()
+    return Tunnel(loop or asyncio.get_running_loop(), idle_timeout, splice_threshold, pool)
+
+
+def open_tunnel_with_upstream(
+    tunnel: Tunnel,
+    client: asyncio.Transport,
+    upstream: asyncio.Transport,
+    *,
+    initial_to_upstream: bytes = b"",
+    initial_to_client: bytes = b"",
+) -> Tunnel:
+    """Start a new_tunnel() between the client's transport and its connected upstream.
+
+    Synchronous: no Task, no dup, no new event-loop registration. The client
+    transport is handed over as in open_tunnel_on_transport() (it must be open,
+    hold no unsent bytes and be paused; its protocol is replaced). Both
+    transports belong to the tunnel from here on, also when this raises
+    ValueError (the client is closing or busy, or `upstream` was not made with
+    the tunnel's upstream protocol), in which case the upstream is aborted and
+    the client left to the caller.
+    """
+    c, u = tunnel._sides
+    if (
+        client.is_closing()
+        or client.get_write_buffer_size()
+        or tunnel._opened
+        or upstream.get_protocol() is not u
+        or u.transport is not upstream  # connection_made never ran: it was closed first
+    ):
+        upstream.abort()
+        raise ValueError("the client transport is closing or busy, or the tunnel is not new")
+    # Counted from the start of the relay, not from when the dial began.
+    tunnel._started = tunnel._last = tunnel._loop.time()
+    tunnel.bytes_up = len(initial_to_upstream)
+    tunnel.bytes_down = len(initial_to_client)
+    client.set_protocol(c)
+    c.connection_made(client)
+    tunnel._opened = True
     tunnel._begin(initial_to_upstream, initial_to_client)
     return tunnel
 

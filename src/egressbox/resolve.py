@@ -74,7 +74,12 @@ class Resolution:
 
 
 class Resolver(Protocol):
-    """What the proxy needs from a resolver (a seam: tests pass their own)."""
+    """What the proxy needs from a resolver (a seam: tests pass their own).
+
+    A resolver may also offer `resolve_now(host) -> Resolution | None`: the
+    answer when no query is needed (cache, hosts file), else None. The proxy
+    then decides such names without a Task (see egress.check_now).
+    """
 
     async def resolve(self, host: str) -> Resolution:
         """Resolve a normalized name (lowercase ASCII, no trailing dot, not an IP).
@@ -380,16 +385,20 @@ class DnsResolver:
         """Forget every cached answer (the hosts file is re-read on change anyway)."""
         self._cache.clear()
 
-    async def resolve(self, host: str) -> Resolution:
-        """Resolve `host`; see the Resolver protocol."""
+    def resolve_now(self, host: str) -> Resolution | None:
+        """The answer for `host` if no query is needed (hosts file or cache), else None."""
         if self._hosts is not None:
             addresses = self._hosts.lookup(host)
             if addresses:
                 # Not cached: the file is the cache, re-read when it changes.
                 return Resolution(addresses, (host,), 0.0, "hosts")
-        cached = self._cache.get(host, self._clock())
-        if cached is not None:
-            return cached
+        return self._cache.get(host, self._clock())
+
+    async def resolve(self, host: str) -> Resolution:
+        """Resolve `host`; see the Resolver protocol."""
+        answer = self.resolve_now(host)
+        if answer is not None:
+            return answer
         return await self._shared_query(host)
 
     async def _shared_query(self, host: str) -> Resolution:

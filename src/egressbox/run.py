@@ -52,9 +52,11 @@ from egressbox.confine.plan import (
     wanted,
 )
 from egressbox.errors import EgressboxError
+from egressbox.stderr_tee import DRAIN_TIMEOUT, FINAL_READS, StderrTee
 
 if TYPE_CHECKING:
     from egressbox.audit import AuditRecord, AuditSink
+    from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord
     from egressbox.policy import Policy, RunSettings
 
 # Directories hidden behind a private tmpfs in the child's mount namespace.
@@ -68,6 +70,15 @@ ENV_PROFILE = "EGRESSBOX_PROFILE"
 # how long the command has after SIGTERM before it is killed.
 EXIT_TIMEOUT = 124
 KILL_GRACE = 5.0
+
+
+def __getattr__(name: str) -> Any:
+    # RefusalRecord lives in confine/refusal.py, imported only when a run fails.
+    if name == "RefusalRecord":
+        from egressbox.confine.refusal import RefusalRecord
+
+        return RefusalRecord
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class RunRefusedError(EgressboxError):
@@ -97,6 +108,9 @@ class RunOptions:
     deny: tuple[str, ...] = ()  # read-denied paths beyond CREDENTIALS (`~` allowed)
     rlimit_nofile: int | None = None
     rlimit_as: int | None = None
+    # Granted to the command's tools (caches, state), never treated as workspaces.
+    process_read_roots: tuple[str, ...] = ()
+    process_write_roots: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,18 +121,22 @@ class MechanismReport:
 
 
 @dataclass(frozen=True)
-class RefusalRecord:
-    """Which boundary refused the child, when it failed."""
+class RootReport:
+    """One granted root and its kind, as the launcher applies it."""
 
-    boundary: str  # egress | local_socket | home_read | write | timeout | unknown
-    destinations: tuple[str, ...] = ()
-    timeout: float | None = None  # boundary "timeout": the seconds that expired
+    kind: str  # workspace | read | process_read | process_write | executable
+    path: str
+    detail: str
 
-    def line(self, code: int) -> str:
-        if self.boundary == "timeout":
-            return f"command exited {code}; the timeout of {self.timeout:g} s expired"
-        where = f": {', '.join(self.destinations)}" if self.destinations else ""
-        return f"command exited {code}; refused by {self.boundary}{where}"
+
+ROOT_DETAIL = {
+    "workspace": "read+write; TMPDIR and tool caches live in the first one",
+    "read": "read-only",
+    "process_read": "read-only, for the command's tools; not a workspace",
+    "process_write": "read+write, for the command's tools; not a workspace (no TMPDIR, "
+    "caches or scratch directory)",
+    "executable": "read+execute: the command, its interpreter or venv",
+}
 
 
 @dataclass
@@ -130,6 +148,7 @@ class RunResult:
     stdout: bytes | None = None
     stderr: bytes | None = None
     warnings: list[str] = field(default_factory=list)
+    roots: list[RootReport] = field(default_factory=list)
 
 
 @dataclass
@@ -141,6 +160,8 @@ class Prepared:
     host_listeners: list[socket.socket]
     network_boundary: Enforcement
     warnings: list[str] = field(default_factory=list)
+    homes: tuple[str, ...] = ()  # the caller's home and the child's, for refusal records
+    roots: list[RootReport] = field(default_factory=list)
 
 
 # -- planning --------------------------------------------------------------------------
@@ -255,6 +276,10 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     write_roots = tuple(os.path.realpath(expand_user(p, home)) for p in options.write_roots)
     write_roots = write_roots or (cwd,)
     read_roots = tuple(os.path.realpath(expand_user(p, home)) for p in options.read_roots)
+    process_read = tuple(os.path.realpath(expand_user(p, home)) for p in options.process_read_roots)
+    process_write = tuple(
+        os.path.realpath(expand_user(p, home)) for p in options.process_write_roots
+    )
     executable = resolve_command(options.argv[0], base, cwd)
     scratch = make_scratch(write_roots[0])
     env = child_environment(
@@ -277,11 +302,15 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         executables=executable.grants,
         presets=options.presets,
         deny=_credential_paths(home, env.get("HOME")) + extra_deny,
+        process_read_roots=process_read,
+        process_write_roots=process_write,
     )
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
-    bind_back = _bind_back(write_roots, (*read_roots, *executable.grants, cwd))
+    bind_back = _bind_back(
+        (*write_roots, *process_write), (*read_roots, *process_read, *executable.grants, cwd)
+    )
     plan = LaunchPlan(
         argv=options.argv,
         executable=executable.path,
@@ -307,7 +336,19 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     if Mechanism.SECCOMP in chosen:
         plan = dataclasses.replace(plan, seccomp_program=_compiled_seccomp())
     report, network = enforcement_report(profile, chosen)
-    return Prepared(plan, report, listeners, network, warnings)
+    homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
+    roots = [
+        RootReport(kind, path, ROOT_DETAIL[kind])
+        for kind, paths in (
+            ("workspace", write_roots),
+            ("read", read_roots),
+            ("process_read", process_read),
+            ("process_write", process_write),
+            ("executable", executable.grants),
+        )
+        for path in dict.fromkeys(paths)
+    ]
+    return Prepared(plan, report, listeners, network, warnings, homes, roots)
 
 
 def _credential_paths(home: str, child_home: str | None) -> tuple[str, ...]:
@@ -434,6 +475,7 @@ class Launched:
     stdout_fd: int | None = None
     stderr_fd: int | None = None
     chan: socket.socket | None = None  # to the launcher, until go() or abandon()
+    tee: StderrTee | None = None  # the command's stderr, through us (None: captured)
     # --timeout: when the next step is due (time.monotonic()), and whether it expired.
     due: float | None = None
     timeout: float | None = None
@@ -479,6 +521,20 @@ class Launched:
         for sock in self.listeners:
             sock.close()
         _kill_and_reap(self.pid)
+        self.stderr_tail()
+
+    def stderr_tail(self) -> bytes | None:
+        """Once the launcher has exited: the end of the command's stderr (bounded wait)."""
+        if self.tee is None:
+            return None
+        return self.tee.finish()
+
+    def forward(self, signum: int) -> None:
+        """Pass a signal on to the launcher (a new window size reaches the pty first)."""
+        if signum == signal.SIGWINCH and self.tee is not None:
+            self.tee.resize()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signum)
 
 
 class LaunchFailedError(EgressboxError):
@@ -493,14 +549,26 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
 
     parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pipes = (os.pipe(), os.pipe()) if capture_output else None
-    pid = os.fork()
+    # Not captured: the command's stderr still passes through us (refusal records).
+    tee = None if capture_output else StderrTee.open()
+    try:
+        pid = os.fork()
+    except BaseException:
+        if tee is not None:
+            tee.abandon()
+        raise
     if pid == 0:  # the launcher
         parent_chan.close()
         if pipes is not None:
             os.dup2(pipes[0][1], 1)
             os.dup2(pipes[1][1], 2)
+        if tee is not None:
+            os.dup2(tee.child_fd, 2)
+            tee.close_in_child()
         launcher_main(prepared.plan, child_chan.detach())
     child_chan.close()
+    if tee is not None:
+        tee.start()
     out_fd = err_fd = None
     if pipes is not None:
         os.close(pipes[0][1])
@@ -511,9 +579,11 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
     except BaseException:
         parent_chan.close()
         _kill_and_reap(pid)
+        if tee is not None:
+            tee.finish()
         raise
     parent_chan.settimeout(None)
-    return Launched(pid, listeners, out_fd, err_fd, parent_chan)
+    return Launched(pid, listeners, out_fd, err_fd, parent_chan, tee=tee)
 
 
 def _receive(chan: socket.socket, prepared: Prepared) -> list[socket.socket]:
@@ -576,40 +646,75 @@ async def supervise(
     )
     await proxy.start()
     loop = asyncio.get_running_loop()
-    readers = [_collect(fd) for fd in (launched.stdout_fd, launched.stderr_fd)]
+    readers = [_Collector(loop, fd) for fd in (launched.stdout_fd, launched.stderr_fd)]
     try:
         code = await _wait_forwarding(loop, launched)
-        outputs = [await r for r in readers]
+        outputs = await asyncio.gather(*(r.finish(DRAIN_TIMEOUT) for r in readers))
+        tail = launched.stderr_tail()
     finally:
+        for reader in readers:
+            reader.close()
         await proxy.close(0)
-    result = _result(code, list(proxy.records), prepared, launched)
+    stderr = outputs[1] if outputs[1] is not None else tail
+    result = _result(code, list(proxy.records), prepared, launched, stderr)
     result.warnings = prepared.warnings
     result.stdout, result.stderr = outputs
     return result
 
 
-async def _collect(fd: int | None) -> bytes | None:
-    import asyncio
+class _Collector:
+    """Reads a captured stream to its end; after the command exits, waits only so long
+    (a grandchild outside a PID namespace may hold the pipe open)."""
 
-    if fd is None:
-        return None
-    loop = asyncio.get_running_loop()
-    chunks: list[bytes] = []
-    done = loop.create_future()
-
-    def readable() -> None:
-        data = os.read(fd, 65536)
-        if data:
-            chunks.append(data)
+    def __init__(self, loop: Any, fd: int | None) -> None:
+        self.loop = loop
+        self.fd = fd
+        self.chunks: list[bytes] = []
+        self.captured = fd is not None
+        self.done = loop.create_future()
+        if fd is None:
+            self.done.set_result(None)
             return
-        loop.remove_reader(fd)
-        os.close(fd)
-        done.set_result(None)
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self._readable)
 
-    os.set_blocking(fd, False)
-    loop.add_reader(fd, readable)
-    await done
-    return b"".join(chunks)
+    def _readable(self) -> None:
+        assert self.fd is not None
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.chunks.append(data)
+            return
+        self.close()
+
+    async def finish(self, timeout: float) -> bytes | None:
+        import asyncio
+
+        if not self.captured:
+            return None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.done), timeout)
+        if self.fd is not None:  # still open: take what is there now, then let go
+            with contextlib.suppress(OSError):
+                for _ in range(FINAL_READS):
+                    data = os.read(self.fd, 65536)
+                    if not data:
+                        break
+                    self.chunks.append(data)
+            self.close()
+        return b"".join(self.chunks)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = None
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 async def _wait_forwarding(loop: Any, launched: Launched) -> int:
@@ -627,8 +732,7 @@ async def _wait_forwarding(loop: Any, launched: Launched) -> int:
             timer[:] = [loop.call_later(delay, expire)]
 
     def forward(signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
+        launched.forward(signum)
 
     installed = []
     for signum in FORWARDED:
@@ -653,14 +757,93 @@ async def _wait_forwarding(loop: Any, launched: Launched) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def classify_refusal(records: Sequence[AuditRecord], code: int) -> RefusalRecord:
-    """Which boundary most likely refused a failing child."""
+def classify_refusal(
+    records: Sequence[AuditRecord],
+    code: int,
+    stderr: bytes | None = None,
+    plan: PathPlan | None = None,
+    lookup: Callable[[str], HostPath] | None = None,
+) -> RefusalRecord:
+    """Which boundary most likely refused a failing child.
+
+    The proxy's denials come first (egress); then the command's own error
+    output (`stderr`, its tail) judged against the run's `plan`
+    (confine/refusal.py); no evidence: unknown.
+    """
+    from egressbox.confine.refusal import SOURCE_AUDIT, Boundary, RefusalRecord, classify_output
+
     denied = [r for r in records if r.decision.value == "deny"]
     if denied:
         seen = dict.fromkeys(f"{r.host}:{r.port} ({r.reason.value})" for r in denied)
-        return RefusalRecord("egress", tuple(seen))
+        return RefusalRecord(Boundary.EGRESS, tuple(seen), source=SOURCE_AUDIT)
     del code
-    return RefusalRecord("unknown")
+    if stderr and plan is not None:
+        text = stderr.decode("utf-8", "replace")
+        found = classify_output(text, plan, lookup or host_path)
+        if found is not None:
+            return found
+    return RefusalRecord(Boundary.UNKNOWN)
+
+
+def path_plan(prepared: Prepared) -> PathPlan:
+    """The filesystem side of the plan the launcher applied, for judging refusals."""
+    from egressbox.confine.refusal import PathPlan
+
+    plan = prepared.plan
+    mounts = plan.has(Mechanism.MOUNT_NAMESPACE)
+    landlock = plan.has(Mechanism.LANDLOCK_FS)
+    kernel: tuple[str, ...] = ()
+    if mounts and plan.uid == 0:
+        from egressbox.confine.mounts import KERNEL_READ_ONLY
+
+        kernel = KERNEL_READ_ONLY
+    return PathPlan(
+        homes=prepared.homes,
+        read=plan.read,
+        write=plan.write,
+        # Masks and nested read-only roots are mounts, or (without a mount
+        # namespace) Landlock grants that leave them out.
+        deny=plan.deny if mounts or landlock else (),
+        read_only=plan.read_only_inside_write if mounts or landlock else (),
+        always_read_only=kernel,
+        hidden=HIDDEN_DIRS if mounts else (),
+        bound_back=plan.bind_back if mounts else (),
+        landlock_fs=landlock,
+        abstract_isolated=plan.has(Mechanism.NETWORK_NAMESPACE)
+        or plan.has(Mechanism.LANDLOCK_SCOPE),
+    )
+
+
+def host_path(path: str) -> HostPath:
+    """What the host says about a path the command named (stat only, never opened)."""
+    import stat
+
+    from egressbox.confine.refusal import HostPath
+
+    parent = os.path.isdir(os.path.dirname(path))
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return HostPath(False, parent_exists=parent)
+    return HostPath(
+        True,
+        is_socket=stat.S_ISSOCK(st.st_mode),
+        is_dir=stat.S_ISDIR(st.st_mode),
+        parent_exists=parent,
+        readable=_mode_allows_read(st),
+    )
+
+
+def _mode_allows_read(st: os.stat_result) -> bool:
+    # By the permission bits alone: a confined root keeps uid 0 but has no
+    # capabilities, so it cannot read another user's private files either.
+    import stat
+
+    if st.st_uid == os.geteuid():
+        return bool(st.st_mode & stat.S_IRUSR)
+    if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
+        return bool(st.st_mode & stat.S_IRGRP)
+    return bool(st.st_mode & stat.S_IROTH)
 
 
 # -- the whole run -----------------------------------------------------------------------
@@ -673,6 +856,8 @@ def options_for(
     profile: Profile | str | None = None,
     write_roots: Sequence[str] = (),
     read_roots: Sequence[str] = (),
+    process_read_roots: Sequence[str] = (),
+    process_write_roots: Sequence[str] = (),
     env: EnvPolicy | str | None = None,
     grants: Mapping[str, str | None] | None = None,
     allow_loopback: bool = False,
@@ -703,6 +888,8 @@ def options_for(
             env=env,
             write_roots=write_roots,
             read_roots=read_roots,
+            process_read_roots=process_read_roots,
+            process_write_roots=process_write_roots,
             grants=grants or {},
             timeout=timeout,
         ),
@@ -718,6 +905,8 @@ def with_settings(
     read_roots: Sequence[str],
     grants: Mapping[str, str | None],
     timeout: float | None,
+    process_read_roots: Sequence[str] = (),
+    process_write_roots: Sequence[str] = (),
 ) -> dict[str, Any]:
     """RunOptions fields from the policy's run tables and the caller's choices.
 
@@ -737,6 +926,10 @@ def with_settings(
         "env_policy": EnvPolicy(env or table_env.policy or EnvPolicy.INHERITED),
         "write_roots": tuple(dict.fromkeys((*write_roots, *fs.write_roots))),
         "read_roots": tuple(dict.fromkeys((*read_roots, *fs.read_roots))),
+        "process_read_roots": tuple(dict.fromkeys((*process_read_roots, *fs.process_read_roots))),
+        "process_write_roots": tuple(
+            dict.fromkeys((*process_write_roots, *fs.process_write_roots))
+        ),
         "grants": dict(table_env.grant) | dict(grants),
         "timeout": timeout if timeout is not None else process.timeout,
         "presets": fs.presets,
@@ -761,8 +954,7 @@ def _exit_before_first_connection(launched: Launched) -> int | None:
     import select
 
     def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(launched.pid, signum)
+        launched.forward(signum)
 
     from egressbox.confine.launcher import FORWARDED
 
@@ -790,15 +982,21 @@ def _exit_before_first_connection(launched: Launched) -> int | None:
 
 
 def _result(
-    code: int, records: list[AuditRecord], prepared: Prepared, launched: Launched
+    code: int,
+    records: list[AuditRecord],
+    prepared: Prepared,
+    launched: Launched,
+    stderr: bytes | None = None,
 ) -> RunResult:
     if launched.timed_out:
-        result = RunResult(EXIT_TIMEOUT, records, prepared.report)
-        result.refusal = RefusalRecord("timeout", timeout=launched.timeout)
+        from egressbox.confine.refusal import Boundary, RefusalRecord
+
+        result = RunResult(EXIT_TIMEOUT, records, prepared.report, roots=prepared.roots)
+        result.refusal = RefusalRecord(Boundary.TIMEOUT, timeout=launched.timeout)
         return result
-    result = RunResult(code, records, prepared.report)
+    result = RunResult(code, records, prepared.report, roots=prepared.roots)
     if code != 0:
-        result.refusal = classify_refusal(records, code)
+        result.refusal = classify_refusal(records, code, stderr, path_plan(prepared))
     return result
 
 
@@ -841,7 +1039,7 @@ def run_options_sync(
     if not capture_output:
         early = _exit_before_first_connection(launched)
         if early is not None:
-            return _result(early, [], prepared, launched)
+            return _result(early, [], prepared, launched, launched.stderr_tail())
     from egressbox.serve import run_loop
 
     holder: list[RunResult] = []
@@ -984,6 +1182,8 @@ def run_command(args: Any, argv: list[str]) -> int:
     if args.report:
         for row in result.report:
             write_err(f"enforcement: {row.mechanism}: {row.enforcement.value} ({row.detail})")
+        for root in result.roots:
+            write_err(f"root: {root.kind}: {root.path} ({root.detail})")
     if result.refusal is not None:
         write_err(result.refusal.line(result.exit_code))
     return result.exit_code
@@ -1034,6 +1234,8 @@ def _cli_options(
             env=args.env_policy,
             write_roots=args.write_root,
             read_roots=args.read_root,
+            process_read_roots=args.process_read_root,
+            process_write_roots=args.process_write_root,
             grants=grants,
             timeout=args.timeout,
         )

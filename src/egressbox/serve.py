@@ -8,11 +8,13 @@ audit file and the descriptor limit. Everything else is EgressProxy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
 import resource
 import signal
+import socket
 import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ class ServeOptions:
     audit_max_bytes: int | None = None
     audit_keep: int = 5
     report_only: bool = False
+    # --workers: processes sharing the listening ports (SO_REUSEPORT); 1 = no fork.
+    workers: int = 1
 
 
 def raise_nofile_limit() -> int:
@@ -86,6 +90,8 @@ def serve(options: ServeOptions) -> int:
     if policy.mode is Mode.REPORT:
         stderr_log(f"warning: {REPORT_MODE_WARNING}")
     raise_nofile_limit()
+    if options.workers > 1:
+        return serve_workers(options, policy, servers)
     try:
         audit = open_audit(options)
     except (AuditError, ValueError) as exc:
@@ -106,6 +112,13 @@ def usage_problem(options: ServeOptions) -> str:
     for flag, port in (("--http-port", options.http_port), ("--socks-port", options.socks_port)):
         if port is not None and not 0 <= port <= MAX_PORT:
             return f"{flag}: {port} is not a TCP port; use 0-{MAX_PORT} (0 picks a free one)"
+    if options.workers > 1 and options.audit_max_bytes is not None:
+        # Rotation by size is safe with one writer only: another process appending to
+        # the same path would go on writing into the renamed file.
+        return (
+            "--audit-max-bytes cannot be combined with --workers above 1 (several processes "
+            "cannot rotate one file safely); rotate externally and send SIGUSR1 to reopen"
+        )
     return ""
 
 
@@ -150,6 +163,150 @@ async def _serve(
     # The ready line: one JSON object, then nothing else on stdout (records
     # go there only with --audit-log -).
     os.write(sys.stdout.fileno(), (json.dumps(proxy.ready_line()) + "\n").encode())
+    await stop.wait()
+    await proxy.close()
+    return EXIT_OK
+
+
+# -- --workers N --------------------------------------------------------------------------
+
+
+def serve_workers(options: ServeOptions, policy: Policy, servers: list[tuple[str, int]]) -> int:
+    """`serve --workers N` (N > 1): bind in the parent, fork, supervise (see workers.py)."""
+    from egressbox.workers import bind_listeners, run_workers, share_limits
+
+    count = options.workers
+    if options.audit_log is not None and options.audit_log != "-":
+        # Check (before any fork) that the log can be opened, and end a torn tail
+        # here, once, rather than in every worker.
+        try:
+            open_audit(options).close()  # type: ignore[union-attr]
+            end_torn_tail(options.audit_log)
+        except (AuditError, ValueError) as exc:
+            return _fail(f"--audit-log: {exc}", EXIT_START)
+    try:
+        groups = bind_listeners(
+            options.listen, {"http": options.http_port, "socks5": options.socks_port}, count
+        )
+    except (OSError, ValueError) as exc:
+        return _fail(f"cannot start the proxy: {exc}", EXIT_START)
+    shared = share_limits(policy, count)
+
+    def worker_main(index: int, sockets: dict[str, socket.socket], report_fd: int, go: int) -> int:
+        return _worker(
+            options, policy=shared, servers=servers, sockets=sockets, report_fd=report_fd, go=go
+        )
+
+    return run_workers(count, groups, worker_main)
+
+
+def end_torn_tail(path: str) -> None:
+    """Append a newline to a log whose last record a crash cut short."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                os.write(fd, b"\n")
+        finally:
+            os.close(fd)
+
+
+def _worker(
+    options: ServeOptions,
+    *,
+    policy: Policy,
+    servers: list[tuple[str, int]],
+    sockets: dict[str, socket.socket],
+    report_fd: int,
+    go: int,
+) -> int:
+    """One worker process: its own audit descriptor, loop, resolver and proxy."""
+    try:
+        audit = open_audit(options)
+    except (AuditError, ValueError) as exc:
+        return _fail(f"--audit-log: {exc}", EXIT_START)
+    try:
+        return run_loop(
+            lambda: _serve_worker(
+                options,
+                policy=policy,
+                servers=servers,
+                sockets=sockets,
+                audit=audit,
+                report_fd=report_fd,
+                go=go,
+            )
+        )
+    finally:
+        if audit is not None:
+            audit.close()
+
+
+async def _serve_worker(
+    options: ServeOptions,
+    *,
+    policy: Policy,
+    servers: list[tuple[str, int]],
+    sockets: dict[str, socket.socket],
+    audit: AuditSink | None,
+    report_fd: int,
+    go: int,
+) -> int:
+    from egressbox.workers import report, share_limits, wait_for_go
+
+    resolver = make_resolver(policy, servers) if servers else None
+    http, socks = sockets.get("http"), sockets.get("socks5")
+    proxy = EgressProxy(
+        policy,
+        listen=options.listen,
+        http_port=None,
+        socks_port=None,
+        http_sockets=[http] if http is not None else (),
+        socks_sockets=[socks] if socks is not None else (),
+        resolver=resolver,
+        audit=audit,
+        log=None if options.quiet else stderr_log,
+    )
+    try:
+        await proxy.start()
+    except (OSError, ValueError) as exc:
+        return _fail(f"cannot start the proxy: {exc}", EXIT_START)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    def reload() -> None:
+        try:
+            fresh = load_policy(options.policy_path)
+        except PolicyError as exc:
+            report(report_fd, "reload", message=f"reload refused, keeping the old policy: {exc}")
+            return
+        if options.report_only:
+            fresh = with_mode(fresh, Mode.REPORT)
+        proxy.set_policy(share_limits(fresh, options.workers))
+        report(report_fd, "reload", message=f"policy reloaded from {options.policy_path}")
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+    if isinstance(audit, JsonlFileSink):
+        file_sink = audit
+
+        def reopen() -> None:
+            try:
+                file_sink.reopen()
+            except AuditError as exc:
+                report(
+                    report_fd,
+                    "reopen",
+                    message=f"audit log reopen failed, still writing the old file: {exc}",
+                )
+
+        loop.add_signal_handler(signal.SIGUSR1, reopen)
+    report(report_fd, "ready", line=proxy.ready_line())
+    # Nothing is accepted until the parent has printed the ready line.
+    if not wait_for_go(go):
+        stop.set()  # the parent went away instead
     await stop.wait()
     await proxy.close()
     return EXIT_OK

@@ -7,15 +7,17 @@ wires them together, enforces the limits and writes one audit record per
 decision before any reply goes out.
 
 Connections start on a small asyncio Protocol (no Task while a client is
-slow to send its head); once a head is complete, one Task decides, dials
-and answers, and a tunnel then runs on the relay's protocol pair with no
-Task at all.
+slow to send its head). Once a tunnel request is complete, the decision is
+made right there when it needs no DNS query (else in one Task), the dial
+reports by callback, and the tunnel then runs on the relay's protocol pair
+with no Task at all. Plain HTTP forwarding runs in one Task per connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import socket
 import sys
@@ -24,16 +26,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from egressbox.audit import AuditProtocol, AuditRecord, AuditSink
+from egressbox.audit import (
+    AuditProtocol,
+    AuditRecord,
+    AuditSink,
+    JsonlFileSink,
+    StreamSink,
+    decision_line,
+)
 from egressbox.decide import Decision, SelfEndpoints, bad_target, deny, parse_target
-from egressbox.dial import dial
-from egressbox.egress import check
+from egressbox.dial import DialError, Dialing, dial, start_connect
+from egressbox.egress import Pending, check_now
 from egressbox.errors import AuditError, HostError, Reason
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.limits import Limits
 from egressbox.netinfo import local_addresses
 from egressbox.policy import Policy
-from egressbox.relay import RelayStats, Tunnel, open_tunnel_on_transport
+from egressbox.relay import (
+    RelayStats,
+    Tunnel,
+    new_tunnel,
+    open_tunnel_on_transport,
+    open_tunnel_with_upstream,
+)
 
 if TYPE_CHECKING:
     from egressbox.resolve import Resolution, Resolver
@@ -71,6 +86,12 @@ class ProxyState:
     accepting: bool = True
     # Connections the descriptor limit leaves room for (see fd_capacity).
     fd_capacity: int = 1 << 62
+    # The loop the listeners run on, once started: on Python 3.11 every
+    # asyncio.get_running_loop() costs a getpid() system call.
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop or asyncio.get_running_loop()
 
     def over_limit(self) -> bool:
         """True when one more connection would exceed max_connections or the fd budget
@@ -85,12 +106,41 @@ class ProxyState:
             if self.audit is not None:
                 self.audit.write(record)
         except AuditError as exc:
-            if self.audit_error is None:
-                self.audit_error = str(exc)
-                stderr_log(f"audit log cannot be written ({exc}); refusing new connections")
+            self._audit_failed(exc)
             raise
         if self.on_record is not None:
             self.on_record(record)
+
+    def emit_decision(self, protocol: AuditProtocol, decision: Decision) -> None:
+        """emit() for a decision's record, without building an AuditRecord when nobody
+        needs the object: a file or stream sink and no on_record callback get the line
+        formatted directly (the same bytes; measured ~2 us less per decision)."""
+        audit = self.audit
+        if self.on_record is None and (type(audit) is JsonlFileSink or type(audit) is StreamSink):
+            line = decision_line(
+                protocol,
+                decision.host,
+                decision.port,
+                decision.verdict,
+                decision.reason,
+                now_ns=time.time_ns(),
+            )
+            if line is not None:
+                try:
+                    audit.write_json(line)
+                except AuditError as exc:
+                    self._audit_failed(exc)
+                    raise
+                return
+        record = AuditRecord.create(
+            protocol, decision.host, decision.port, decision.verdict, decision.reason
+        )
+        self.emit(record)
+
+    def _audit_failed(self, exc: AuditError) -> None:
+        if self.audit_error is None:
+            self.audit_error = str(exc)
+            stderr_log(f"audit log cannot be written ({exc}); refusing new connections")
 
     def diagnostic(self, line: str) -> None:
         if self.log is not None:
@@ -98,7 +148,13 @@ class ProxyState:
 
 
 class Connection(asyncio.Protocol):
-    """Common state of a client connection before it becomes a tunnel."""
+    """Common state of a client connection before it becomes a tunnel.
+
+    A tunnel request goes `begin()` -> decision (synchronously when no DNS
+    query is needed, else in one Task) -> `proceed()` -> `start_connect` with
+    the relay's upstream protocol -> `_dialed()` hands both transports to the
+    relay. Subclasses say how to refuse and what to answer on success.
+    """
 
     protocol_name = AuditProtocol.CONNECT
 
@@ -107,18 +163,18 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
-        self.started = time.monotonic()
+        self.dialing: Dialing | None = None
         self.over_limit = False
         self.handing_off = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport: cast, don't check.
         self.transport = cast(asyncio.Transport, transport)
-        self.over_limit = self.state.over_limit()
-        self.state.connections.add(self)
-        loop = asyncio.get_running_loop()
+        state = self.state
+        self.over_limit = state.over_limit()
+        state.connections.add(self)
         # Slowloris: the whole head or handshake must arrive in time.
-        self.timer = loop.call_later(self.state.limits.head_timeout, self.head_timed_out)
+        self.timer = state.event_loop().call_later(state.limits.head_timeout, self.head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         # A connection being handed to the relay loses its transport on
@@ -145,6 +201,9 @@ class Connection(asyncio.Protocol):
     def abort(self) -> None:
         if self.task is not None:
             self.task.cancel()
+        if self.dialing is not None:
+            self.dialing.cancel()
+            self.dialing = None
         if self.transport is not None:
             self.transport.abort()
 
@@ -163,35 +222,151 @@ class Connection(asyncio.Protocol):
         except asyncio.CancelledError:
             self.abort()
         except Exception as exc:  # a bug must not kill the server
-            stderr_log(f"internal error on a {self.protocol_name} connection: {exc!r}")
-            self.abort()
+            self._internal_error(exc)
+
+    def _internal_error(self, exc: Exception) -> None:
+        stderr_log(f"internal error on a {self.protocol_name} connection: {exc!r}")
+        self.abort()
+
+    # -- the tunnel path: no Task unless the decision needs DNS -------------------
+
+    def begin(self, host: str, port: int | str, to_upstream: bytes) -> None:
+        """Stop reading; decide (audited) and go on to proceed(), in a Task only for DNS."""
+        self.cancel_timer()
+        assert self.transport is not None
+        self.transport.pause_reading()
+        try:
+            decided = self.decide_now(host, port)
+            if isinstance(decided, Pending):
+                self.start(lambda: self._decide_later(decided, host, port, to_upstream))
+            else:
+                self.proceed(decided, to_upstream)
+        except Exception as exc:  # a bug must not kill the server
+            self._internal_error(exc)
+
+    async def _decide_later(
+        self, pending: Pending, host: str, port: int | str, to_upstream: bytes
+    ) -> None:
+        decision = self._audited(await pending.finish(), host, port)
+        self.task = None
+        self.proceed(decision, to_upstream)
+
+    def proceed(self, decision: Decision, to_upstream: bytes) -> None:
+        """After the audited decision: refuse, or dial and hand over to the relay."""
+        if not decision.allowed:
+            self.refuse(decision)
+            return
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return  # the client left while the decision was made: nothing to dial
+        state = self.state
+        loop = state.event_loop()
+        tunnel = new_tunnel(idle_timeout=state.limits.idle_timeout, loop=loop)
+        self.dialing = start_connect(
+            decision.addresses,
+            decision.port,
+            tunnel.upstream_protocol,
+            functools.partial(self._dialed, tunnel, decision, to_upstream),
+            timeout=state.limits.connect_timeout,
+            loop=loop,
+        )
+
+    def _dialed(
+        self,
+        tunnel: Tunnel,
+        decision: Decision,
+        to_upstream: bytes,
+        upstream: asyncio.Transport | None,
+        error: DialError | None,
+    ) -> None:
+        self.dialing = None
+        try:
+            if upstream is None:
+                assert error is not None
+                self.dial_failed(decision, error)
+            else:
+                self._hand_over(tunnel, decision, to_upstream, upstream)
+        except Exception as exc:  # a bug must not kill the server
+            if upstream is not None:
+                upstream.abort()
+            self._internal_error(exc)
+
+    def _hand_over(
+        self, tunnel: Tunnel, decision: Decision, to_upstream: bytes, upstream: asyncio.Transport
+    ) -> None:
+        transport, state = self.transport, self.state
+        if transport is None or transport.is_closing():
+            # The client left (say, a reset) while the dial was in flight.
+            upstream.abort()
+            return
+        try:
+            open_tunnel_with_upstream(
+                tunnel,
+                transport,
+                upstream,
+                initial_to_upstream=to_upstream,
+                initial_to_client=self.established(upstream),
+            )
+        except ValueError:  # the upstream is already aborted
+            transport.abort()
+            return
+        # The relay has the client's transport now (our connection_lost will
+        # not run): count it as a tunnel in the same step.
+        state.connections.discard(self)
+        state.tunnels.add(tunnel)
+        # Nothing of this Connection may stay reachable from the tunnel (idle
+        # tunnel memory), and the tunnel must not keep it alive either.
+        self.transport = None
+        _watch_tunnel(state, tunnel, self.protocol_name, decision)
+
+    def refuse(self, decision: Decision) -> None:
+        """Answer a denied decision and close (the listener's own reply)."""
+        raise NotImplementedError
+
+    def dial_failed(self, decision: Decision, exc: DialError) -> None:
+        """Answer a failed dial and close (the listener's own reply)."""
+        raise NotImplementedError
+
+    def established(self, upstream: asyncio.Transport) -> bytes:
+        """The reply that opens the tunnel (the listener's own)."""
+        raise NotImplementedError
 
     # -- shared steps ------------------------------------------------------------
 
-    async def decide(self, host: str, port: int | str) -> Decision:
-        """The decision for a target, audited before any reply goes out."""
+    def decide_now(self, host: str, port: int | str) -> Decision | Pending:
+        """The audited decision if it needs no DNS query, else a Pending to finish
+        (then audit it with decide()'s rules: see _audited)."""
         state = self.state
         if state.audit_error is not None:
-            decision = _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error)
-            return decision
+            return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error)
         if self.over_limit:
             decision = _refusal(host, port, Reason.TOO_MANY_CONNECTIONS, "too many connections")
         else:
-            decision = await check(
+            decided = check_now(
                 state.policy, state.resolver, host, port, self_endpoints=state.self_endpoints
             )
+            if isinstance(decided, Pending):
+                return decided
+            decision = decided
+        return self._audited(decision, host, port)
+
+    def _audited(self, decision: Decision, host: str, port: int | str) -> Decision:
         try:
             self.record(decision)
         except AuditError:
-            return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error or "")
+            return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, self.state.audit_error or "")
         return decision
+
+    async def decide(self, host: str, port: int | str) -> Decision:
+        """The decision for a target, audited before any reply goes out."""
+        decided = self.decide_now(host, port)
+        if isinstance(decided, Pending):
+            return self._audited(await decided.finish(), host, port)
+        return decided
 
     def record(self, decision: Decision) -> None:
         """Write the decision's audit record (raises AuditError when the sink fails)."""
-        record = AuditRecord.create(
-            self.protocol_name, decision.host, decision.port, decision.verdict, decision.reason
-        )
-        self.state.emit(record)
+        self.state.emit_decision(self.protocol_name, decision)
 
     async def dial_pinned(self, decision: Decision) -> socket.socket:
         return await dial(
@@ -237,6 +412,8 @@ class Connection(asyncio.Protocol):
         _watch_tunnel(state, tunnel, self.protocol_name, decision)
 
     def log_refusal(self, decision: Decision, extra: str = "") -> None:
+        if self.state.log is None:
+            return  # no diagnostics wanted: build no text
         target = format_authority(decision.host, decision.port) if decision.port else decision.host
         tail = f" ({extra})" if extra else ""
         self.state.diagnostic(
@@ -266,18 +443,37 @@ def _watch_tunnel(
     state: ProxyState, tunnel: Tunnel, protocol: AuditProtocol, decision: Decision
 ) -> None:
     """Untrack the tunnel and log its one diagnostic line when it ends."""
-    label = f"{protocol} {format_authority(decision.host, decision.port)}"
-    verdict = f"{decision.verdict.value} {decision.reason.value}"
+    tunnel.done.add_done_callback(_TunnelEnd(state, tunnel, protocol, decision))
 
-    def finished(done: asyncio.Future[RelayStats]) -> None:
-        state.tunnels.discard(tunnel)
+
+class _TunnelEnd:
+    """The tunnel's done callback. The fields, not the Decision (nor prebuilt
+    text), wait with an idle tunnel; the line is built only if someone reads it."""
+
+    __slots__ = ("host", "port", "protocol", "reason", "state", "tunnel", "verdict")
+
+    def __init__(
+        self, state: ProxyState, tunnel: Tunnel, protocol: AuditProtocol, decision: Decision
+    ) -> None:
+        self.state = state
+        self.tunnel = tunnel
+        self.protocol = protocol
+        self.host = decision.host
+        self.port = decision.port
+        self.verdict = decision.verdict
+        self.reason = decision.reason
+
+    def __call__(self, done: asyncio.Future[RelayStats]) -> None:
+        state = self.state
+        state.tunnels.discard(self.tunnel)
+        if state.log is None:
+            return
         stats = done.result()
         state.diagnostic(
-            f"{label} {verdict} up={stats.bytes_up} down={stats.bytes_down} "
+            f"{self.protocol} {format_authority(self.host, self.port)} {self.verdict.value}"
+            f" {self.reason.value} up={stats.bytes_up} down={stats.bytes_down} "
             f"{stats.duration:.3f}s closed_by={stats.closed_by.value}"
         )
-
-    tunnel.done.add_done_callback(finished)
 
 
 def _refusal(host: str, port: int | str, reason: Reason, detail: str) -> Decision:
@@ -362,6 +558,7 @@ class EgressProxy:
             await self.close(0)
             raise
         self.state.self_endpoints = self._self_endpoints()
+        self.state.loop = asyncio.get_running_loop()
         self.state.fd_capacity = fd_capacity(_soft_nofile())
 
     def _sockets(self, kind: str) -> list[socket.socket]:
@@ -494,6 +691,13 @@ class LazyResolver:
         if self._resolver is None:
             self._resolver = _dns_resolver(self._policy)
         return await self._resolver.resolve(host)
+
+    def resolve_now(self, host: str) -> Resolution | None:
+        """A cached (or hosts-file) answer without a query; None before the first query."""
+        if self._resolver is None:
+            return None
+        lookup = getattr(self._resolver, "resolve_now", None)
+        return None if lookup is None else cast("Resolution | None", lookup(host))
 
 
 def _dns_resolver(policy: Policy | None) -> Resolver:

@@ -25,7 +25,7 @@ import shutil
 import socket
 import ssl
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,11 +35,25 @@ from aiohttp import web
 
 from dnsserver import AAAA, SILENT, A, DnsServer
 from egressbox.audit import AuditRecord
-from egressbox.dial import DEFAULT_STAGGER, DialError, DialFailure, dial
+from egressbox.dial import (
+    DEFAULT_STAGGER,
+    DialCallback,
+    DialError,
+    DialFailure,
+    Dialing,
+    dial,
+    start_connect,
+)
 from egressbox.hosts import IPAddress
 from egressbox.policy import Policy, parse_policy
 from egressbox.resolve import DnsResolver
 from egressbox.server import EgressProxy
+from integration.unprivileged import (
+    Actor,
+    UnavailableError,
+    invoking_actor,
+    unprivileged_actor,
+)
 
 # Longest a single client step (connect, a reply, an echo) may take. Generous
 # for a loaded CI machine; a hang fails the test instead of blocking the run.
@@ -464,6 +478,18 @@ class DialGuard:
         return [ip for addresses, _ in self.calls for ip in addresses]
 
 
+class _Refused(Dialing):
+    """The guard's answer to an off-loopback dial: a refusal already scheduled."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: asyncio.Handle) -> None:
+        self.handle = handle
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
 @pytest.fixture
 def dials(monkeypatch: pytest.MonkeyPatch) -> Iterator[DialGuard]:
     """Record every dial of the in-process proxy; refuse (and fail on) non-loopback ones.
@@ -488,7 +514,30 @@ def dials(monkeypatch: pytest.MonkeyPatch) -> Iterator[DialGuard]:
             raise DialError(DialFailure.CONNECT_FAILED, "test guard: not a loopback address")
         return await dial(addresses, port, timeout=timeout, stagger=stagger)
 
+    def guarded_connect(
+        addresses: Sequence[IPAddress],
+        port: int,
+        protocol: asyncio.Protocol,
+        on_done: DialCallback,
+        *,
+        timeout: float,
+        stagger: float = DEFAULT_STAGGER,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> Dialing:
+        addresses = tuple(addresses)
+        guard.calls.append((addresses, port))
+        outside = [str(ip) for ip in addresses if not ip.is_loopback]
+        if outside:
+            guard.violations.append(f"the proxy tried to dial {outside} port {port}")
+            error = DialError(DialFailure.CONNECT_FAILED, "test guard: not a loopback address")
+            handle = asyncio.get_running_loop().call_soon(on_done, None, error)
+            return _Refused(handle)
+        return start_connect(
+            addresses, port, protocol, on_done, timeout=timeout, stagger=stagger, loop=loop
+        )
+
     monkeypatch.setattr("egressbox.server.dial", guarded)
+    monkeypatch.setattr("egressbox.server.start_connect", guarded_connect)
     yield guard
     assert guard.violations == [], "the proxy dialed outside loopback"
 
@@ -815,3 +864,22 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     if done.returncode != 0:
         pytest.skip(f"openssl could not make a certificate: {done.stderr[-200:]!r}")
     return files
+
+
+# -- actors: the invoking user, and an unprivileged one ------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def unprivileged() -> Actor:
+    try:
+        return unprivileged_actor()
+    except UnavailableError as exc:
+        pytest.skip(f"cannot run as an unprivileged user: {exc}")
+
+
+@pytest.fixture(params=["self", "unprivileged"])
+def actor(request: pytest.FixtureRequest) -> Actor:
+    if request.param == "self":
+        return invoking_actor()
+    found: Actor = request.getfixturevalue("unprivileged")
+    return found

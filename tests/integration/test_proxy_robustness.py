@@ -30,7 +30,7 @@ from egressbox.errors import AuditError, Reason
 from egressbox.hosts import IPAddress
 from egressbox.policy import Policy, parse_policy
 from egressbox.resolve import Resolution
-from egressbox.server import EgressProxy
+from egressbox.server import Connection, EgressProxy
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -878,3 +878,114 @@ async def attempt(proxy: tuple[str, int], host: str, port: int) -> int:
     finally:
         client.close()
     return status
+
+
+# -- 5. the tunnel path's callbacks: no Task without DNS, dial timeout and drain -----------
+
+
+class CachingLoopbackResolver(LoopbackResolver):
+    """LoopbackResolver that, like DnsResolver, answers a name it has seen without a query."""
+
+    def resolve_now(self, host: str) -> Resolution | None:
+        if host not in self.queries:
+            return None
+        return Resolution((LOOPBACK,), (host,), 60.0, "cache")
+
+
+def test_only_a_decision_that_needs_dns_starts_a_task(
+    run: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[str] = []
+    original = Connection.start
+
+    def counting(self: Connection, work: Callable[[], object]) -> None:
+        started.append(type(self).__name__)
+        original(self, work)
+
+    monkeypatch.setattr(Connection, "start", counting)
+
+    async def scenario() -> None:
+        origin = await Origin().start()
+        policy = make_policy([f"127.0.0.1:{origin.port}", f"{ALLOWED_SUFFIX}:{origin.port}"])
+        resolver = CachingLoopbackResolver()
+        proxy = EgressProxy(policy, resolver=resolver, keep_records=True)
+        await proxy.start()
+        try:
+            http, socks = addresses(proxy)
+            for target in ("127.0.0.1", ALLOWED_SUFFIX, ALLOWED_SUFFIX):
+                client, status, _ = await http_connect(http, f"{target}:{origin.port}")
+                assert status == 200
+                await client.echo(b"ping")
+                client.close()
+                client, code = await socks_connect(socks, target, origin.port)
+                assert code == 0x00
+                await client.echo(b"ping")
+                client.close()
+            client, status, _ = await http_connect(http, "denied.test:443")
+            assert status == 403
+            client.close()
+            # Only the first name needed a query (and a Task); the rest came from the cache.
+            assert resolver.queries == [ALLOWED_SUFFIX]
+            assert started == ["HttpConnection"]
+            assert len(proxy.records) == 7
+            await wait_for(lambda: idle(proxy), "every connection to end")
+        finally:
+            await proxy.close(0)
+            await origin.close()
+
+    run(scenario)
+
+
+def test_dial_timeout_and_drain_while_dialing_leave_nothing_behind(run: Runner) -> None:
+    async def scenario() -> None:
+        origin = await Origin().start()
+        # A listener whose accept queue is full: connects to it hang (SYNs dropped).
+        with socket.socket() as hole, socket.socket() as filler:
+            hole.bind(("127.0.0.2", 0))
+            hole.listen(0)
+            port = hole.getsockname()[1]
+            filler.connect(("127.0.0.2", port))
+            policy = make_policy(
+                [f"127.0.0.1:{origin.port}", f"127.0.0.2:{port}"],
+                limits={"connect_timeout": 0.3},
+            )
+            proxy = EgressProxy(policy, resolver=LoopbackResolver(), keep_records=True)
+            await proxy.start()
+            try:
+                await warm_up(proxy, origin)
+                baseline = fd_count()
+                http, socks = addresses(proxy)
+                client, status, headers = await http_connect(http, f"127.0.0.2:{port}")
+                assert (status, headers.get("x-egressbox-reason")) == (504, "connect_timeout")
+                client.close()
+                client = await Client.connect(socks)
+                await client.send(b"\x05\x01\x00" + socks_request("127.0.0.2", port))
+                data, closed = await client.read_until_closed()
+                assert closed and data[2:4] == b"\x05\x04"  # TTL expired: connect_timeout
+                client.close()
+                await wait_for(lambda: idle(proxy), "the refused connections to end")
+                await settle_fds(baseline)
+                # A drain while dials are in flight closes the clients and the attempts.
+                policy = make_policy(
+                    [f"127.0.0.2:{port}"], limits={"connect_timeout": 30.0, "drain_timeout": 0.2}
+                )
+                proxy.set_policy(policy)
+                clients = [await Client.connect(http) for _ in range(3)]
+                for waiting in clients:
+                    target = f"127.0.0.2:{port}"
+                    await waiting.send(
+                        f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()
+                    )
+                await wait_for(lambda: len(proxy.records) == 8, "the decisions")
+            finally:
+                await proxy.close(0)
+                await origin.close()
+            for waiting in clients:
+                data, closed = await waiting.read_until_closed()
+                assert (data, closed) == (b"", True)
+                waiting.close()
+            await settle_fds(
+                baseline - 3
+            )  # the proxy's two listeners and the origin's are closed too
+
+    run(scenario)

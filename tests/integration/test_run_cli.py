@@ -32,7 +32,7 @@ import egressbox
 from egressbox import cli
 from egressbox.confine.plan import HOST_NEEDS, HostFacts, Mechanism, Profile
 from egressbox.run import RunOptions, RunRefusedError, host_facts, run_options_sync
-from integration.unprivileged import Actor, UnavailableError, invoking_actor, unprivileged_actor
+from integration.unprivileged import Actor
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),
@@ -57,22 +57,6 @@ REPORT_LINE = re.compile(r"^egressbox: enforcement: (\w+): (full|partial|none) \
 
 
 # -- fixtures ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def unprivileged() -> Actor:
-    try:
-        return unprivileged_actor()
-    except UnavailableError as exc:
-        pytest.skip(f"cannot run as an unprivileged user: {exc}")
-
-
-@pytest.fixture(params=["self", "unprivileged"])
-def actor(request: pytest.FixtureRequest) -> Actor:
-    if request.param == "self":
-        return invoking_actor()
-    found: Actor = request.getfixturevalue("unprivileged")
-    return found
 
 
 @dataclass
@@ -561,3 +545,38 @@ def test_failure_without_a_denial_is_unknown(box: Box) -> None:
     done = box.egressbox("--", "/bin/sh", "-c", "exit 3")
     assert done.returncode == 3
     assert b"egressbox: command exited 3; refused by unknown" in done.stderr, _explain(done)
+
+
+# -- process roots -------------------------------------------------------------------------
+
+PROCESS_ROOT_CHILD = """
+import json, os, sys
+root = sys.argv[1]
+with open(os.path.join(root, "state.txt"), "w", encoding="utf-8") as handle:
+    handle.write("written by the tool")
+print(json.dumps({"env": dict(os.environ), "cwd": os.getcwd()}))
+"""
+
+
+def test_a_process_write_root_is_writable_and_gets_no_tmpdir(box: Box) -> None:
+    cache = box.actor.make_dir("/tmp", "egressbox-cli-cache-")
+    try:
+        argv = [box.actor.python, "-c", PROCESS_ROOT_CHILD, str(cache)]
+        refused = box.egressbox("--", *argv)
+        assert refused.returncode == 1, _explain(refused)
+        assert not (cache / "state.txt").exists()
+
+        done = box.egressbox("--report", "--process-write-root", str(cache), "--", *argv)
+        assert done.returncode == 0, _explain(done)
+        assert (cache / "state.txt").read_text(encoding="utf-8") == "written by the tool"
+        seen = json.loads(done.stdout)
+        assert seen["cwd"] == str(box.workspace)
+        scratch = str(box.workspace / ".egressbox")
+        for name in ("TMPDIR", "TMP", "TEMP"):
+            assert seen["env"][name].startswith(scratch), seen["env"]
+        assert not any(str(cache) in value for value in seen["env"].values()), seen["env"]
+        assert sorted(p.name for p in cache.iterdir()) == ["state.txt"]
+        assert f"egressbox: root: process_write: {cache} (".encode() in done.stderr, _explain(done)
+        assert f"egressbox: root: workspace: {box.workspace} (".encode() in done.stderr
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)

@@ -47,9 +47,7 @@ import pytest
 from integration.unprivileged import (
     BASE_DIR,
     Actor,
-    UnavailableError,
     invoking_actor,
-    unprivileged_actor,
 )
 
 pytestmark = [
@@ -956,14 +954,6 @@ def lab() -> Iterator[Lab]:
         yield built
     finally:
         built.close()
-
-
-@pytest.fixture(scope="session")
-def unprivileged() -> Actor:
-    try:
-        return unprivileged_actor()
-    except UnavailableError as exc:
-        pytest.skip(f"cannot run as an unprivileged user: {exc}")
 
 
 class Sides:

@@ -92,3 +92,56 @@ def test_without_namespaces_the_proxy_ports_are_all_the_child_reaches(
         env=clean,
     )
     assert "direct reached" in plain.stdout
+
+
+def test_without_a_mount_namespace_landlock_alone_keeps_the_deny_list_and_read_only_roots(
+    tmp_path: Path,
+) -> None:
+    real = host_facts()
+    if "landlock" not in real.available or real.landlock_abi < 1:
+        pytest.skip("needs Landlock: " + str(dict(real.status)))
+    facts = HostFacts(frozenset({"landlock", "seccomp", "no_new_privs"}), NO_NAMESPACES, 7, 0)
+    shared = tmp_path / "shared"
+    (shared / "keys").mkdir(parents=True)
+    (shared / "keys" / "secret").write_text("s3cret")
+    (shared / "notes").write_text("fine")
+    work = tmp_path / "work"
+    (work / "vendor").mkdir(parents=True)
+    (work / "src").mkdir()
+    probe = (
+        "import sys\n"
+        "def attempt(label, action):\n"
+        "    try:\n"
+        "        action()\n"
+        "        print(label, 'ok')\n"
+        "    except OSError as exc:\n"
+        "        print(label, 'refused', exc.errno)\n"
+        f"attempt('notes', lambda: open({str(shared / 'notes')!r}).read())\n"
+        f"attempt('secret', lambda: open({str(shared / 'keys' / 'secret')!r}).read())\n"
+        f"attempt('work', lambda: open({str(work / 'src' / 'new')!r}, 'w').write('x'))\n"
+        f"attempt('vendor', lambda: open({str(work / 'vendor' / 'new')!r}, 'w').write('x'))\n"
+    )
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    options = RunOptions(
+        argv=(sys.executable, str(script)),
+        policy=parse_policy({"egress": {"allow": []}}, env={}),
+        profile=Profile.WORKSPACE_PATHS,
+        write_roots=(str(work),),
+        read_roots=(str(shared), str(work / "vendor"), str(tmp_path)),
+        deny=(str(shared / "keys"),),
+        cwd=str(work),
+    )
+    result = run_options_sync(options, facts=facts, capture_output=True)
+    assert result.exit_code == 0, result.stderr
+    seen = dict(line.split(" ", 1) for line in (result.stdout or b"").decode().splitlines())
+    assert seen["notes"] == "ok"
+    assert seen["secret"].startswith("refused")
+    assert seen["work"] == "ok"
+    assert seen["vendor"].startswith("refused")
+    # Unconfined, every one of these succeeds.
+    (work / "src" / "new").unlink()
+    plain = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=True, timeout=30
+    )
+    assert plain.stdout.split().count("ok") == 4

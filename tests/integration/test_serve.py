@@ -691,3 +691,345 @@ def test_nameserver_is_the_only_resolver(
     assert not dns_server.queries_for(DENIED)
     assert proc.stop() == 0
     assert origin.accepted == 1
+
+
+# -- --workers N ----------------------------------------------------------------------------
+#
+# Black-box: which process serves a connection is read from /proc (the workers are
+# the serve process's children; a worker holds an accepted connection as a socket
+# whose inode /proc/net/tcp lists with the proxy's port as its local port).
+
+# Connections held open at once to see both workers accept: with SO_REUSEPORT the
+# kernel hashes each connection's addresses, so all 40 on one of 2 workers has a
+# chance of 2**-39.
+SPREAD = 40
+# TCP state ESTABLISHED in /proc/net/tcp.
+TCP_ESTABLISHED = "01"
+
+
+def child_pids(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry))
+    return sorted(found)
+
+
+def gone(pid: int) -> bool:
+    """True when pid no longer runs (absent, or a zombie nobody has reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pids: Sequence[int]) -> None:
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    while time.monotonic() < deadline:
+        if all(gone(pid) for pid in pids):
+            return
+        time.sleep(POLL)
+    pytest.fail(f"still running: {[pid for pid in pids if not gone(pid)]}")
+
+
+def worker_pids(proc: Serve, count: int) -> list[int]:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        pids = child_pids(proc.pid)
+        if len(pids) == count:
+            return pids
+        time.sleep(POLL)
+    pytest.fail(f"expected {count} workers, found {child_pids(proc.pid)}")
+
+
+def established_on(pid: int, port: int) -> int:
+    """Established TCP connections that `pid` holds with local port `port`."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port = int(fields[1].rsplit(":", 1)[1], 16)
+        if local_port == port and fields[3] == TCP_ESTABLISHED and fields[9] in inodes:
+            count += 1
+    return count
+
+
+class HttpOrigin:
+    """A threaded loopback HTTP server answering every GET with a short body."""
+
+    BODY = b"hello from the origin\n"
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        body = self.BODY
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port: int = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(IO_TIMEOUT)
+
+
+@pytest.fixture
+def http_origin() -> Iterator[HttpOrigin]:
+    server = HttpOrigin()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def http_get(proxy: tuple[str, int], port: int) -> tuple[int, bytes]:
+    """A plain-HTTP GET for the origin on 127.0.0.1:port through the proxy."""
+    with socket.create_connection(proxy, timeout=IO_TIMEOUT) as sock:
+        sock.sendall(
+            f"GET http://127.0.0.1:{port}/x HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "Connection: close\r\n\r\n".encode()
+        )
+        status, headers, rest = read_head(sock)
+        length = int(headers.get("content-length", "0"))
+        return status, rest + recv_exact(sock, length - len(rest))
+
+
+def audit_lines(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        assert set(record) == RECORD_KEYS, record
+        records.append(record)
+    return records
+
+
+def test_workers_share_the_ports_and_each_serves(
+    serve: ServeFactory,
+    tmp_path: Path,
+    origin: EchoOrigin,
+    http_origin: HttpOrigin,
+) -> None:
+    allow = [f"127.0.0.1:{origin.port}", f"127.0.0.1:{http_origin.port}"]
+    path = write_policy(tmp_path / "policy.toml", policy_text(allow, drain_timeout=DRAIN_TIMEOUT))
+    log = tmp_path / "audit.jsonl"
+    proc = serve(path, "--workers", "2", "--quiet", "--audit-log", str(log))
+    assert set(proc.ready) == {"event", "http", "socks5"}
+    workers = worker_pids(proc, 2)
+    tunnels = []
+    try:
+        for _ in range(SPREAD):
+            sock, status, _ = http_connect(proc.http, f"127.0.0.1:{origin.port}")
+            tunnels.append(sock)
+            assert status == 200
+            roundtrip(sock, b"ping")
+        held = [established_on(pid, proc.http[1]) for pid in workers]
+    finally:
+        for sock in tunnels:
+            sock.close()
+    assert sum(held) == SPREAD, held
+    assert all(count > 0 for count in held), held
+    for _ in range(10):
+        assert http_get(proc.http, http_origin.port) == (200, HttpOrigin.BODY)
+    sock, code = socks_connect(proc.socks, "127.0.0.1", origin.port)
+    with sock:
+        assert code == 0
+        roundtrip(sock, b"socks")
+    assert proc.stop() == 0
+    wait_gone(workers)
+    assert proc.stdout().splitlines() == [json.dumps(proc.ready)]
+    records = audit_lines(log)
+    assert len(records) == SPREAD + 10 + 1
+    assert {r["decision"] for r in records} == {"allow"}
+
+
+def test_workers_audit_log_under_load_has_whole_lines(
+    serve: ServeFactory, policy_file: Path, origin: EchoOrigin, tmp_path: Path
+) -> None:
+    log = tmp_path / "audit.jsonl"
+    proc = serve(policy_file, "--workers", "2", "--quiet", "--audit-log", str(log))
+    threads, per_thread = 4, 40
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for i in range(per_thread):
+                if i % 2:
+                    assert connect_status(proc.http, f"{DENIED}:443")[0] == 403
+                else:
+                    sock, status, _ = http_connect(proc.http, f"127.0.0.1:{origin.port}")
+                    with sock:
+                        assert status == 200
+                        roundtrip(sock, b"x" * 100)
+        except BaseException as exc:
+            errors.append(exc)
+
+    runners = [threading.Thread(target=load) for _ in range(threads)]
+    for runner in runners:
+        runner.start()
+    for runner in runners:
+        runner.join(EXIT_TIMEOUT * 2)
+    assert not errors, errors
+    assert proc.stop() == 0
+    records = audit_lines(log)
+    assert len(records) == threads * per_thread
+    assert sum(r["decision"] == "deny" for r in records) == threads * per_thread // 2
+
+
+def test_workers_sighup_reloads_every_worker_and_says_it_once(
+    serve: ServeFactory, tmp_path: Path, origin: EchoOrigin
+) -> None:
+    target = f"127.0.0.1:{origin.port}"
+    path = write_policy(tmp_path / "policy.toml", policy_text([target]))
+    proc = serve(path, "--workers", "2", "--quiet")
+    for _ in range(10):
+        assert connect_status(proc.http, target)[0] == 200
+
+    write_policy(path, policy_text(["placeholder.test:443"]))
+    proc.send(signal.SIGHUP)
+    proc.wait_stderr("policy reloaded")
+    for _ in range(SPREAD):  # fresh connections, spread over both workers
+        status, headers = connect_status(proc.http, target)
+        assert (status, headers["x-egressbox-reason"]) == (403, "no_allow_rule")
+
+    write_policy(path, policy_text([target]) + "alow = []\n")  # in [egress]: unknown key
+    proc.send(signal.SIGHUP)
+    err = proc.wait_stderr("reload refused")
+    assert "egress.alow" in err
+    for _ in range(10):
+        assert connect_status(proc.http, target)[0] == 403  # the second policy still decides
+    assert proc.stop() == 0
+    err = proc.stderr()
+    # Said once, after every worker answered, not once per worker.
+    assert err.count("policy reloaded") == 1, err
+    assert err.count("reload refused") == 1, err
+
+
+def test_workers_sigusr1_reopens_the_log_in_every_worker(
+    serve: ServeFactory, policy_file: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "audit.jsonl"
+    proc = serve(policy_file, "--workers", "2", "--quiet", "--audit-log", str(log))
+    for _ in range(5):
+        assert connect_status(proc.http, f"{DENIED}:443")[0] == 403
+    moved = tmp_path / "audit.jsonl.1"
+    log.rename(moved)
+    proc.send(signal.SIGUSR1)
+    # Both workers reopen within moments; wait until a fresh file exists, then some more.
+    deadline = time.monotonic() + IO_TIMEOUT
+    while not log.exists() and time.monotonic() < deadline:
+        time.sleep(POLL)
+    time.sleep(0.5)
+    for _ in range(SPREAD):
+        assert connect_status(proc.http, f"{DENIED}:443")[0] == 403
+    assert proc.stop() == 0
+    assert len(audit_lines(moved)) == 5
+    assert len(audit_lines(log)) == SPREAD
+
+
+def test_workers_a_dead_worker_stops_the_others(serve: ServeFactory, policy_file: Path) -> None:
+    proc = serve(policy_file, "--workers", "3", "--quiet")
+    victim, *others = worker_pids(proc, 3)
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait() == 1
+    assert f"worker {victim} was killed by SIGKILL unexpectedly" in proc.stderr()
+    wait_gone(others)
+    wait_refused(proc.http)
+
+
+def test_workers_die_with_a_killed_parent(serve: ServeFactory, policy_file: Path) -> None:
+    proc = serve(policy_file, "--workers", "2", "--quiet")
+    workers = worker_pids(proc, 2)
+    proc.kill()
+    wait_gone(workers)
+    wait_refused(proc.http)
+
+
+def test_workers_sigterm_drains_and_exits_0(
+    serve: ServeFactory, policy_file: Path, origin: EchoOrigin
+) -> None:
+    proc = serve(policy_file, "--workers", "2", "--quiet")
+    workers = worker_pids(proc, 2)
+    sock, status, _ = http_connect(proc.http, f"127.0.0.1:{origin.port}")
+    with sock:
+        assert status == 200
+        proc.send(signal.SIGTERM)
+        wait_refused(proc.http)
+        roundtrip(sock, b"finishing during the drain")
+    assert proc.wait() == 0
+    wait_gone(workers)
+    assert proc.stderr() == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "0"], "argument --workers: 0 is out of range"),
+        (["--workers", "257"], "argument --workers: 257 is out of range"),
+        (["--workers", "two"], "argument --workers: 'two' is not a number"),
+        (
+            ["--workers", "2", "--audit-log", "a.jsonl", "--audit-max-bytes", "1000"],
+            "--audit-max-bytes cannot be combined with --workers",
+        ),
+    ],
+    ids=["zero", "too-many", "not-a-number", "rotation"],
+)
+def test_workers_usage_errors(
+    serve: ServeFactory, policy_file: Path, args: list[str], message: str
+) -> None:
+    proc = serve(policy_file, *args, ready=False)
+    assert proc.wait() == 2
+    assert message in proc.stderr()
+    assert proc.stdout() == ""
+
+
+def test_workers_port_in_use_exits_3(serve: ServeFactory, policy_file: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        proc = serve(policy_file, "--workers", "2", "--http-port", port, ready=False)
+        assert proc.wait() == 3
+    assert "cannot start" in proc.stderr()
+    assert proc.stdout() == ""
+    assert child_pids(proc.pid) == []
+
+
+def test_workers_auto_starts(serve: ServeFactory, policy_file: Path) -> None:
+    proc = serve(policy_file, "--workers", "auto", "--quiet")
+    assert connect_status(proc.http, f"{DENIED}:443")[0] == 403
+    assert proc.stop() == 0
+
+
+def test_workers_sigterm_while_starting_stops_everything(
+    serve: ServeFactory, policy_file: Path
+) -> None:
+    # Workers may be anywhere in their start (even waiting for the go after the
+    # ready report): a stop must reach them all, and nobody may hang.
+    for _ in range(3):
+        proc = serve(policy_file, "--workers", "2", "--quiet", ready=False)
+        workers = worker_pids(proc, 2)
+        proc.send(signal.SIGTERM)
+        assert proc.wait() == 0, proc.stderr()
+        wait_gone(workers)

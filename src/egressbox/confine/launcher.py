@@ -384,13 +384,35 @@ def _powerless() -> bool:
 def _landlock(plan: LaunchPlan, ports: tuple[int, ...]) -> None:
     from egressbox.confine import landlock_apply
 
+    read, write = plan.read, plan.write
+    if not plan.has(Mechanism.MOUNT_NAMESPACE):
+        read, write = _without_mounts(plan)
     landlock_apply.apply(
-        read=plan.read if plan.has(Mechanism.LANDLOCK_FS) else None,
-        write=plan.write,
+        read=read if plan.has(Mechanism.LANDLOCK_FS) else None,
+        write=write,
         connect_ports=ports if plan.has(Mechanism.LANDLOCK_NET) else None,
         allow_loopback=plan.allow_loopback,
         scopes=plan.has(Mechanism.LANDLOCK_SCOPE),
     )
+
+
+def _without_mounts(plan: LaunchPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Landlock roots that keep the credential deny list and the read-only roots
+    nested in writable ones without a mount namespace to mask or remount them.
+
+    Landlock is allow-only: a root that holds a denied path is replaced by its
+    siblings along the way (expand_excluding), and a writable root that holds a
+    read-only one is split the same way, the read-only part granted for reading.
+    Entries created later directly in a split directory are not granted.
+    """
+    from egressbox.confine.plan import expand_excluding
+
+    deny = plan.deny
+    read = [p for root in plan.read for p in expand_excluding(root, deny)]
+    read_only = plan.read_only_inside_write
+    write = [p for root in plan.write for p in expand_excluding(root, (*deny, *read_only))]
+    read += [p for root in read_only for p in expand_excluding(root, deny)]
+    return tuple(dict.fromkeys(read)), tuple(dict.fromkeys(write))
 
 
 def _close_fds(keep: tuple[int, ...]) -> None:

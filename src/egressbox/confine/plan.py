@@ -230,21 +230,32 @@ def plan_filesystem(
     presets: Sequence[str] = DEFAULT_PRESETS,
     deny: Sequence[str] = CREDENTIALS,
     protected_files: Sequence[str] = (),
+    process_read_roots: Sequence[str] = (),
+    process_write_roots: Sequence[str] = (),
 ) -> FsPlan:
-    """Roots as absolute paths; credential paths beat grants (see expand_excluding)."""
+    """Roots as absolute paths; credential paths beat grants (see expand_excluding).
+
+    Process roots (tool caches and state) are granted like the other roots;
+    what sets them apart (no scratch space, TMPDIR or caches) is decided by
+    the caller, which never treats them as workspaces.
+    """
     denied = tuple(_norm(expand_user(p, home)) for p in deny)
     read: list[str] = []
     for name in presets:
         if name == "user_temp":
             continue
         read += [expand_user(p, home) for p in PRESETS[name]]
-    read += list(SYSTEM_READ_ONLY_EXTRA) + list(read_roots) + list(executables)
-    write = [_norm(p) for p in write_roots]
+    read += list(SYSTEM_READ_ONLY_EXTRA) + list(read_roots) + list(process_read_roots)
+    read += list(executables)
+    writable = (*write_roots, *process_write_roots)
+    write = [_norm(p) for p in writable]
     if "user_temp" in presets:
         write += list(USER_TEMP)
     write += list(DEVICE_WRITE)
     nested = tuple(
-        p for p in (*read_roots, *protected_files) if any(is_under(p, w) for w in write_roots)
+        p
+        for p in (*read_roots, *process_read_roots, *protected_files)
+        if any(is_under(p, w) for w in writable)
     )
     return FsPlan(
         read=_dedupe(_norm(p) for p in read),
@@ -262,18 +273,26 @@ def _dedupe(paths: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(paths))
 
 
-def expand_excluding(root: str, denied: Sequence[str], listdir: object = os.listdir) -> list[str]:
+def expand_excluding(
+    root: str,
+    denied: Sequence[str],
+    listdir: object = os.listdir,
+    is_link: object = os.path.islink,
+) -> list[str]:
     """Grant `root` minus denied paths: Landlock is allow-only, so grant siblings.
 
     `root` is replaced by its children, recursively along each denied path,
-    so that everything but the denied paths stays granted.
+    so that everything but the denied paths stays granted. A child that is a
+    symlink is left out: a rule on it would grant its target, which may be
+    the denied path or a directory above it (a `current -> run-42` link next
+    to `run-42`); its target keeps whatever the other rules grant it.
     """
     inside = [d for d in denied if is_under(d, root)]
     if not inside:
         return [root]
     if root in inside:
         return []
-    assert callable(listdir)
+    assert callable(listdir) and callable(is_link)
     try:
         names = sorted(listdir(root))
     except OSError:
@@ -281,5 +300,6 @@ def expand_excluding(root: str, denied: Sequence[str], listdir: object = os.list
     granted: list[str] = []
     for name in names:
         child = os.path.join(root, name)
-        granted += expand_excluding(child, inside, listdir)
+        if not is_link(child):
+            granted += expand_excluding(child, inside, listdir, is_link)
     return granted

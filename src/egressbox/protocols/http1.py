@@ -87,6 +87,7 @@ _CONTROL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _VERSION_RE = re.compile(rb"HTTP/[0-9]+(?:\.[0-9]+)?")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 _DIGITS_RE = re.compile(r"[0-9]+")
+_PATH_START_RE = re.compile(r"[/?]")
 # chunk-size, then optional extensions: printable, since we drop them anyway.
 _CHUNK_LINE_RE = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
 # status-line; a missing SP before an empty reason is tolerated (seen in the wild).
@@ -230,9 +231,22 @@ class RequestHead:
         return _values(self.headers, name)
 
 
+# The field index of the head looked at last: a head's checks ask for seven or
+# more names, and one pass that indexes every field beats a scan per name.
+# Swapped as one tuple (atomic), and it holds `fields` itself, so an identity
+# match can never be a new head at a recycled address.
+_LAST_INDEX: list[tuple[Fields, dict[str, list[str]]]] = [((), {})]
+
+
 def _values(fields: Fields, name: str) -> list[str]:
-    wanted = name.lower()
-    return [value for key, value in fields if key.lower() == wanted]
+    last = _LAST_INDEX[0]
+    if last[0] is not fields:
+        index: dict[str, list[str]] = {}
+        for key, value in fields:
+            index.setdefault(key.lower(), []).append(value)
+        last = _LAST_INDEX[0] = (fields, index)
+    found = last[1].get(name.lower())
+    return list(found) if found else []
 
 
 # -- lines ----------------------------------------------------------------------------------
@@ -574,7 +588,8 @@ def _absolute_form(method: str, rest: str) -> tuple[Authority, str]:
     """What follows `http://` or `ws://`: authority, path and query (RFC 9112 §3.2.2)."""
     if "#" in rest:
         raise _bad_request("a fragment (#) is not allowed in the request target")
-    cut = next((i for i, c in enumerate(rest) if c in "/?"), len(rest))
+    found = _PATH_START_RE.search(rest)
+    cut = found.start() if found is not None else len(rest)
     authority = _authority(rest[:cut], default_port=HTTP_DEFAULT_PORT)
     path = rest[cut:]
     if not path:
@@ -670,6 +685,8 @@ def _check_host(line: _RequestLine, values: list[str]) -> None:
 
 
 def _same_host(left: str, right: str) -> bool:
+    if left == right:  # the common case: one spelling, so one normalization
+        return True
     try:
         return hosts.normalize_host(left).text == hosts.normalize_host(right).text
     except HostError:
@@ -773,18 +790,20 @@ def proxy_credentials(head: RequestHead) -> tuple[str, str] | None:
 # -- builders -------------------------------------------------------------------------------
 
 
-def forward_head(head: RequestHead) -> bytes:
+def forward_head(head: RequestHead, *, keep_alive: bool = False) -> bytes:
     """The request head for the upstream, in origin-form.
 
     Hop-by-hop fields, fields named in Connection, and every Proxy-* field
     (credentials for us, never for the origin) are dropped; the others keep
     their order. Host stays as the client sent it (it was checked to name the
     target), or is added for an HTTP/1.0 client that sent none.
-    `Connection: close` is sent: each client request gets an upstream
-    connection of its own, never pooled (DESIGN §3), so a later request can
-    never ride on a connection that was checked for another one. An upgrade
-    request sends its own `Upgrade` with `Connection: Upgrade` instead: after
-    a 101 the connection carries the new protocol, still to the checked target.
+    `Connection: close` is sent unless `keep_alive`: the forwarder keeps an
+    upstream connection only for the next request of the same client
+    connection, and only when that request's own decision admits the same
+    host, port and address (never shared between client connections). An
+    upgrade request sends its own `Upgrade` with `Connection: Upgrade`
+    instead: after a 101 the connection carries the new protocol, still to
+    the checked target.
     """
     if head.kind is not RequestKind.FORWARD or head.origin_target is None:
         raise ValueError("forward_head is for absolute-form requests, not CONNECT")
@@ -796,7 +815,7 @@ def forward_head(head: RequestHead) -> bytes:
     if head.upgrade:
         fields.append(("Upgrade", ", ".join(head.upgrade)))
         fields.append(("Connection", "Upgrade"))
-    else:
+    elif not keep_alive:
         fields.append(("Connection", "close"))
     return _serialize(f"{head.method} {head.origin_target} {HTTP_11}", fields)
 
@@ -1146,6 +1165,8 @@ class ResponseFramer:
         self._remaining = 0
         self._chunk_to_client = False
         self._keep_alive = False
+        self._persistent = False  # the upstream may carry another request after this one
+        self._extra = False  # bytes came after the end of the response
         self._trailing = bytearray()
         self._error: HttpError | None = None
 
@@ -1154,6 +1175,21 @@ class ResponseFramer:
         """After `Upgraded`: the upstream's bytes after the 101 head (else empty)."""
         return bytes(self._trailing)
 
+    @property
+    def reusable(self) -> bool:
+        """The response ended cleanly and the upstream connection may carry another request.
+
+        Only an HTTP/1.1 response without `Connection: close`, framed by its
+        length or by chunks (never by the close), with not one byte after its
+        end: a stray byte would be read as the next response's start.
+        """
+        return (
+            self._phase is _Phase.DONE
+            and self._persistent
+            and not self._extra
+            and not self._lines.available
+        )
+
     def feed(self, data: bytes) -> list[ResponseEvent]:
         if self._error is not None:
             raise self._error
@@ -1161,9 +1197,43 @@ class ResponseFramer:
             self._trailing += data
             return []
         if self._phase is _Phase.DONE:
+            self._extra = self._extra or bool(data)
             return []
+        if (
+            self._phase is _Phase.HEAD
+            and self._status is None
+            and not self._lines.available
+            and type(data) is bytes
+        ):
+            return self._guarded(lambda: self._whole_head(data))
         self._lines.extend(data)
         return self._guarded(self._advance)
+
+    def _whole_head(self, data: bytes) -> list[ResponseEvent]:
+        """Fast path: a whole head at the start of a feed, split at once instead of line by line.
+
+        Taken only when the line path would see the same lines (every line ends
+        in CRLF, no bare CR or LF, the head fits the limit); the same checks run
+        in the same order, so the events or the error are the same.
+        """
+        end = data.find(b"\r\n\r\n")
+        budget = self._max_head_bytes - (self._lines.consumed - self._head_start)
+        breaks = data.count(b"\r\n", 0, end)
+        if (
+            end <= 0
+            or end + 4 > budget
+            or data.count(b"\r", 0, end) != breaks
+            or data.count(b"\n", 0, end) != breaks
+        ):
+            self._lines.extend(data)
+            return self._advance()
+        lines = data[:end].split(b"\r\n")
+        status = _parse_status_line(lines[0])
+        fields = tuple(_parse_field_line(line, UpstreamResponseError) for line in lines[1:])
+        self._lines.consumed += end + 4
+        self._lines.extend(data[end + 4 :])
+        event = self._complete_head(status, fields)
+        return [event, *self._advance()]
 
     def feed_eof(self) -> list[ResponseEvent]:
         """The upstream closed: ends a close-delimited body, else it was cut short."""
@@ -1268,6 +1338,12 @@ class ResponseFramer:
 
     def _final_head(self, status: _StatusLine, fields: Fields) -> ResponseHead:
         self._body, self._remaining, length = _response_framing(self._request, status, fields)
+        tokens = _connection_tokens(fields, None)
+        self._persistent = (
+            status.version == HTTP_11
+            and "close" not in tokens
+            and self._body is not _UpstreamBody.CLOSE
+        )
         client_11 = self._request.version == HTTP_11
         unsized = self._body in (_UpstreamBody.CHUNKED, _UpstreamBody.CLOSE)
         self._chunk_to_client = unsized and client_11
@@ -1278,7 +1354,7 @@ class ResponseFramer:
         )
         kept = [
             item
-            for item in _strip_for_next_hop(fields, _connection_tokens(fields, None))
+            for item in _strip_for_next_hop(fields, tokens)
             if item[0].lower() != "content-length"
         ]
         kept.extend(self._framing_fields(length, client_11))

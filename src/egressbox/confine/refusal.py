@@ -1,0 +1,413 @@
+"""Which boundary refused a failing command, judged from its own error output (sans-IO).
+
+The kernel offers an unprivileged supervisor no denial events (no audit log,
+no tracefs, no BPF), so the witness is the command itself: programs that fail
+on a file or socket nearly always print the errno text with the path
+(`cat: /x: Permission denied`, `PermissionError: [Errno 13] Permission
+denied: '/x'`, Go's `open /x: permission denied`). This module scans the tail
+of that output for such lines, pulls the paths out, and judges each path
+against the run's confinement plan:
+
+- a path on the credential read-deny list (that exists on the host) -> `home_read`;
+- a read refused under a home directory that the plan does not make readable -> `home_read`;
+- a write (EROFS, a write verb, a file being created, or a refusal of a path the
+  plan lets the command read) where the plan does not allow writing -> `write`;
+- a unix socket of the host that the plan hides, or an abstract socket name
+  (another network namespace) -> `local_socket`.
+
+A path the plan grants is the command's own business and is never blamed on
+a boundary. What the host's filesystem says about a path (exists, socket,
+directory) comes from the caller through `lookup`: no I/O happens here.
+"""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import re
+
+
+class Boundary(StrEnum):
+    EGRESS = "egress"
+    LOCAL_SOCKET = "local_socket"
+    HOME_READ = "home_read"
+    WRITE = "write"
+    TIMEOUT = "timeout"
+    UNKNOWN = "unknown"
+
+
+# How much of the command's error output is kept and scanned: the fatal error
+# is nearly always at the end, and a bound keeps memory and scanning time fixed.
+TAIL_BYTES = 64 * 1024
+# Longest line scanned (a minified stack trace can be one huge line).
+MAX_LINE = 4096
+# Distinct paths judged per run (each costs the caller a stat).
+MAX_PATHS = 32
+# Paths named in the one-line summary; the record keeps them all.
+LINE_PATHS = 3
+SOURCE_OUTPUT = "from the command's error output"
+SOURCE_AUDIT = "from the proxy's audit records"
+
+# strerror texts (glibc, Python, Rust) and Go/Node's lower-case forms, matched
+# case-insensitively, and errno names as Node prints them.
+ERRNO_TEXTS: dict[str, str] = {
+    "permission denied": "EACCES",
+    "read-only file system": "EROFS",
+    "operation not permitted": "EPERM",
+    "no such file or directory": "ENOENT",
+    "connection refused": "ECONNREFUSED",
+}
+ERRNO_NAMES = frozenset(ERRNO_TEXTS.values())
+
+
+@functools.cache
+def _patterns() -> _Patterns:
+    """Compiled once, on the first failing run (compiling costs milliseconds at start-up)."""
+    import re
+
+    errno_words = "|".join(re.escape(t) for t in ERRNO_TEXTS)
+    names = "|".join(sorted(ERRNO_NAMES))
+    return _Patterns(
+        errno=re.compile(rf"{errno_words}|\b(?:{names})\b", re.IGNORECASE),
+        # Verbs that make a refusal a write (coreutils, git, Python, npm, pip wording).
+        write_verb=re.compile(
+            r"\b(?:touch|creat\w*|writ(?:e|es|ing|able)|mkdir|mkstemp|mkdtemp|remov\w*|renam\w*|"
+            r"unlink\w*|lock\w*|sav(?:e|ing)|delet\w*|overwrit\w*|truncat\w*|append\w*|"
+            r"mov(?:e|ing)|cop(?:y|ying)|chmod|chown|install\w*|symlink\w*|link)\b",
+            re.IGNORECASE,
+        ),
+        # Terminal escape sequences (a pty makes colours likely): CSI, OSC, two-byte ones.
+        escapes=re.compile(
+            r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]"
+        ),
+        # A quoted path: '...', "...", `...' and the typographic single and double quotes.
+        quoted=re.compile(
+            r"""'([^'\n]{1,1024})'|"([^"\n]{1,1024})"|`([^'`\n]{1,1024})'"""
+            "|\u2018([^\u2019\n]{1,1024})\u2019|\u201c([^\u201d\n]{1,1024})\u201d"
+        ),
+        # A bare absolute or ~-relative path, not inside a URL or word.
+        bare=re.compile(r"(?<![\w:/~.@-])(~?/[^\s'\"`,;()\[\]{}<>|]{0,1024})"),
+        newline=re.compile(r"\r\n|\r|\n"),
+    )
+
+
+@dataclass(frozen=True)
+class _Patterns:
+    errno: re.Pattern[str]
+    write_verb: re.Pattern[str]
+    escapes: re.Pattern[str]
+    quoted: re.Pattern[str]
+    bare: re.Pattern[str]
+    newline: re.Pattern[str]
+
+
+_TRAILING = ".:,;)]}'\""
+
+
+@dataclass(frozen=True)
+class ErrorLine:
+    """One line of error output that carries an errno with at least one path."""
+
+    errno: str  # EACCES, EROFS, EPERM, ENOENT or ECONNREFUSED
+    paths: tuple[str, ...]  # as printed: absolute, ~/..., @abstract or \\x00abstract
+    line: str
+    writes: bool  # the wording says the command was writing
+
+
+@dataclass(frozen=True)
+class HostPath:
+    """What the host's filesystem says about a path (the caller stats it, outside the sandbox)."""
+
+    exists: bool
+    is_socket: bool = False
+    is_dir: bool = False
+    parent_exists: bool = False
+    readable: bool = True  # the caller itself may read it (plain permissions)
+
+
+@dataclass(frozen=True)
+class PathPlan:
+    """The filesystem side of the confinement plan the launcher applied."""
+
+    homes: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    read_only: tuple[str, ...] = ()  # read-only roots nested in writable ones
+    always_read_only: tuple[str, ...] = ()  # kernel interfaces remounted read-only
+    hidden: tuple[str, ...] = ()  # behind a private tmpfs in the child's mount namespace
+    bound_back: tuple[tuple[str, bool], ...] = ()  # (path, writable) under `hidden`, bound back
+    landlock_fs: bool = False
+    abstract_isolated: bool = False  # a network namespace or Landlock's abstract-socket scope
+
+    def denied(self, path: str) -> bool:
+        return _under_any(path, self.deny)
+
+    def visible(self, path: str) -> bool:
+        return not _under_any(path, self.hidden) or self._binding(path) is not None
+
+    def _binding(self, path: str) -> tuple[str, bool] | None:
+        """The innermost bound-back path holding `path`."""
+        found = [(root, w) for root, w in self.bound_back if _is_under(path, root)]
+        return max(found, key=lambda entry: len(entry[0])) if found else None
+
+    def readable(self, path: str) -> bool:
+        if self.denied(path) or not self.visible(path):
+            return False
+        return not self.landlock_fs or _under_any(path, (*self.read, *self.write))
+
+    def writable(self, path: str) -> bool:
+        if self.denied(path) or _under_any(path, (*self.read_only, *self.always_read_only)):
+            return False
+        binding = self._binding(path)
+        if binding is not None and not binding[1]:
+            return False  # bound back read-only into a hidden directory
+        return not self.landlock_fs or _under_any(path, self.write)
+
+    def under_home(self, path: str) -> bool:
+        return any(h not in ("", "/") and _is_under(path, h) for h in self.homes)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One path the plan refused, with the error line that shows it."""
+
+    boundary: Boundary  # UNKNOWN: refused by the plan, but by no named boundary
+    path: str
+    errno: str
+    line: str
+    hint: str
+
+
+@dataclass(frozen=True)
+class RefusalRecord:
+    """Which boundary refused the child when it failed, and the evidence for it."""
+
+    boundary: str  # a Boundary value: egress | local_socket | home_read | write | timeout | unknown
+    destinations: tuple[str, ...] = ()  # egress: host:port (reason) the proxy denied
+    timeout: float | None = None  # boundary "timeout": the seconds that expired
+    paths: tuple[str, ...] = ()  # local_socket, home_read, write: the refused paths
+    source: str = ""  # where the evidence came from, e.g. SOURCE_OUTPUT
+    hint: str = ""  # what would admit it
+    evidence: tuple[str, ...] = ()  # the error lines the paths came from
+
+    def line(self, code: int) -> str:
+        if self.boundary == Boundary.TIMEOUT:
+            return f"command exited {code}; the timeout of {self.timeout:g} s expired"
+        named = self.paths or self.destinations
+        shown = ", ".join(named[:LINE_PATHS])
+        if len(named) > LINE_PATHS:
+            shown += f" and {len(named) - LINE_PATHS} more"
+        where = f": {shown}" if shown else ""
+        notes = "; ".join(n for n in (self.source if self.paths else "", self.hint) if n)
+        tail = f" ({notes})" if notes else ""
+        return f"command exited {code}; refused by {self.boundary}{where}{tail}"
+
+
+# -- scanning ------------------------------------------------------------------------------
+
+
+def clean_lines(text: str) -> list[str]:
+    """Lines of terminal output without escape sequences, each cut to MAX_LINE."""
+    patterns = _patterns()
+    plain = patterns.escapes.sub("", text)
+    return [line[:MAX_LINE] for line in patterns.newline.split(plain)]
+
+
+def error_lines(text: str) -> list[ErrorLine]:
+    """Every line that carries an errno text together with a path, in order."""
+    found = []
+    for line in clean_lines(text):
+        match = _patterns().errno.search(line)
+        if match is None:
+            continue
+        paths = extract_paths(line)
+        if not paths:
+            continue
+        word = match.group(0)
+        errno = word.upper() if word.upper() in ERRNO_NAMES else ERRNO_TEXTS[word.lower()]
+        found.append(ErrorLine(errno, paths, line, bool(_patterns().write_verb.search(line))))
+    return found
+
+
+def extract_paths(line: str) -> tuple[str, ...]:
+    """Quoted paths first, then bare absolute or ~-relative ones; in order, without repeats."""
+    paths: list[str] = []
+    spans: list[tuple[int, int]] = []
+    for match in _patterns().quoted.finditer(line):
+        text = next(g for g in match.groups() if g is not None)
+        path = _quoted_path(text)
+        if path is not None:
+            paths.append(path)
+            spans.append(match.span())
+    for match in _patterns().bare.finditer(line):
+        if any(start <= match.start() < end for start, end in spans):
+            continue
+        path = match.group(1).rstrip(_TRAILING)
+        if _plausible(path):
+            paths.append(path)
+    return tuple(dict.fromkeys(paths))
+
+
+def _quoted_path(text: str) -> str | None:
+    text = text.strip()
+    if text.startswith("\\x00") or text.startswith("\\0"):  # Python's repr of an abstract name
+        name = text[4:] if text.startswith("\\x00") else text[2:]
+        return "@" + name if name else None
+    if text.startswith("@") and len(text) > 1 and not any(c.isspace() for c in text):
+        return text
+    return text if _plausible(text, spaces=True) else None
+
+
+def _plausible(path: str, *, spaces: bool = False) -> bool:
+    if path.startswith("~/"):
+        path = path[1:]
+    if not path.startswith("/") or path.startswith("//") or len(path) < 2:
+        return False
+    blank = any(c.isspace() and (c != " " or not spaces) for c in path)
+    return "\x00" not in path and not blank
+
+
+def _is_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _under_any(path: str, roots: Sequence[str]) -> bool:
+    return any(_is_under(path, root) for root in roots)
+
+
+# -- judging -------------------------------------------------------------------------------
+
+
+def normalize(path: str, home: str) -> str:
+    """An absolute, normalized path (`~` expanded); abstract names are kept as `@name`."""
+    if path.startswith("@"):
+        return path
+    if path == "~" or path.startswith("~/"):
+        path = home + path[1:]
+    return posixpath.normpath(path)
+
+
+def judge(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding | None:
+    """The boundary that refused `path` (already normalized), or None if the plan grants it."""
+    if path.startswith("@") or host.is_socket:
+        return _judge_socket(error, path, plan)
+    if not path.startswith("/"):
+        return None
+    if plan.denied(path):
+        # Missing on the host too: nothing was there to refuse.
+        return _finding(error, path, Boundary.HOME_READ, _HINT_DENY) if host.exists else None
+    if error.errno == "ENOENT":
+        return _judge_missing(error, path, host, plan)
+    if error.errno in {"EACCES", "EPERM", "EROFS"}:
+        return _judge_refused(error, path, host, plan)
+    return None
+
+
+def _judge_socket(error: ErrorLine, path: str, plan: PathPlan) -> Finding | None:
+    if path.startswith("@"):  # abstract names live in a network namespace
+        abstract = plan.abstract_isolated and error.errno in {"ECONNREFUSED", "EPERM", "ENOENT"}
+        return _finding(error, path, Boundary.LOCAL_SOCKET, _HINT_ABSTRACT) if abstract else None
+    if plan.visible(path) and not plan.denied(path):
+        return None  # reachable: a refused connection is the server's business
+    hint = f"--read-root {posixpath.dirname(path)} admits it"
+    return _finding(error, path, Boundary.LOCAL_SOCKET, hint)
+
+
+def _finding(error: ErrorLine, path: str, boundary: Boundary, hint: str) -> Finding:
+    return Finding(boundary, path, error.errno, error.line, hint)
+
+
+def _judge_missing(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding | None:
+    # Missing in the child but present on the host: the mount namespace hides it.
+    there = host.exists or (error.writes and host.parent_exists)
+    if not there or plan.visible(path):
+        return None
+    if error.writes:
+        return _finding(error, path, Boundary.WRITE, _write_hint(path, host, plan))
+    return _read_refusal(error, path, host, plan)
+
+
+def _judge_refused(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding | None:
+    if not host.exists and not host.parent_exists:
+        return None  # the host could neither read nor create it
+    writes = (
+        error.writes
+        or error.errno == "EROFS"
+        or not host.exists  # a refused creation
+        or (plan.readable(path) and host.readable)  # readable, so refused for writing
+    )
+    if writes:
+        if plan.writable(path):
+            return None
+        return _finding(error, path, Boundary.WRITE, _write_hint(path, host, plan))
+    if plan.readable(path) or not host.readable:
+        return None  # granted, or refused by the host's own permissions
+    return _read_refusal(error, path, host, plan)
+
+
+def _read_refusal(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding:
+    root = path if host.is_dir else posixpath.dirname(path)
+    if plan.under_home(path):
+        return _finding(error, path, Boundary.HOME_READ, f"--read-root {root} admits it")
+    # Refused by the plan, but not at one of the named boundaries.
+    hint = f"{path} is outside the read roots; --read-root {root} admits it"
+    return _finding(error, path, Boundary.UNKNOWN, hint)
+
+
+def _write_hint(path: str, host: HostPath, plan: PathPlan) -> str:
+    if _under_any(path, plan.always_read_only):
+        return "kernel interfaces are always read-only inside the sandbox"
+    nested = [r for r in plan.read_only if _is_under(path, r)]
+    if nested:
+        return f"it is inside the read-only root {nested[0]}"
+    root = path if host.is_dir else posixpath.dirname(path)
+    return f"--write-root {root} admits it"
+
+
+_HINT_DENY = "credential paths are never readable: the deny list always wins"
+_HINT_ABSTRACT = (
+    "abstract unix sockets of the host are out of reach (the child has its own network "
+    "namespace); nothing admits them"
+)
+
+
+def classify_output(
+    text: str, plan: PathPlan, lookup: Callable[[str], HostPath]
+) -> RefusalRecord | None:
+    """A refusal record from the command's error output, or None when it shows no refusal.
+
+    The last refused path decides the boundary (the fatal error comes last);
+    the record names every path refused at that boundary.
+    """
+    home = plan.homes[0] if plan.homes else "/"
+    findings: list[Finding] = []
+    seen: dict[str, HostPath] = {}
+    for error in error_lines(text[-TAIL_BYTES:]):
+        for raw in error.paths:
+            path = normalize(raw, home)
+            if path not in seen:
+                if len(seen) >= MAX_PATHS:
+                    continue
+                seen[path] = HostPath(False) if path.startswith("@") else lookup(path)
+            found = judge(error, path, seen[path], plan)
+            if found is not None:
+                findings.append(found)
+    if not findings:
+        return None
+    named = [f for f in findings if f.boundary is not Boundary.UNKNOWN]
+    last = (named or findings)[-1]
+    same = [f for f in findings if f.boundary is last.boundary]
+    return RefusalRecord(
+        last.boundary,
+        paths=tuple(dict.fromkeys(f.path for f in same)),
+        source=SOURCE_OUTPUT,
+        hint=last.hint,
+        evidence=tuple(dict.fromkeys(f.line for f in same)),
+    )

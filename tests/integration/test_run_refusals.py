@@ -1,0 +1,513 @@
+"""Refusal records of `egressbox run` with real confined children, and the stderr pass-through.
+
+Each refused action is first done where nothing confines it (outside egressbox, or under the
+`unrestricted` profile, which has no filesystem rules), to prove it would succeed there; then
+under the default profile, where the run must name the boundary and the path on its one
+refusal line. A command that fails for its own reasons inside a granted root gets `unknown`.
+The child's stderr passes through the parent (a pipe, or a pty when the parent's stderr is a
+terminal): its bytes must arrive unchanged and in order, and a pty must look like a terminal.
+
+Every child runs in its own process tree, as the invoking user and as the unprivileged test
+user (tests/integration/unprivileged.py). Nothing leaves loopback; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pty
+import random
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import textwrap
+import threading
+import time
+import tty
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from integration.unprivileged import (
+    BASE_DIR,
+    Actor,
+    invoking_actor,
+)
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),
+    # The first test as the unprivileged user may build its venv (pip install) once.
+    pytest.mark.timeout(900),
+]
+
+RUN_TIMEOUT = 120.0
+SSH_SECRET = "-----BEGIN OPENSSH PRIVATE KEY----- egressbox refusal test\n"
+# A listener thread's accept tick (how quickly it notices it should stop).
+TICK = 0.1
+# A grandchild that keeps the command's stderr open sleeps this long; the run must end well
+# before it wakes.
+LINGER_S = 30
+LINGER_BOUND_S = 10.0
+# Reading the pty's master side in the pty test.
+PTY_READ_TIMEOUT = 60.0
+# A client for a pathname unix socket that reports failures the way tools do: "PATH: strerror".
+UNIX_CLIENT = textwrap.dedent(
+    """
+    import socket, sys
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(sys.argv[1])
+    except OSError as exc:
+        sys.exit(f"unix-client: {sys.argv[1]}: {exc.strerror}")
+    sock.close()
+    """
+)
+
+
+@dataclass
+class Box:
+    """One actor's workspace, fake home (with a key under .ssh) and an ungranted directory."""
+
+    actor: Actor
+    workspace: Path
+    home: Path
+    outside: Path
+
+    @property
+    def key(self) -> Path:
+        return self.home / ".ssh" / "id_rsa"
+
+    def run(
+        self, argv: list[str], *, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[bytes]:
+        command, environment = self.actor.command(argv, env or self.actor.base_env(self.home))
+        return subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=environment,
+            cwd=self.workspace,
+            timeout=RUN_TIMEOUT,
+            check=False,
+        )
+
+    def egressbox(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+        """`egressbox run --quiet ARGS`, with the workspace as cwd (and so the write root)."""
+        return self.run([*self.actor.egressbox, "run", "--quiet", *args])
+
+
+@pytest.fixture
+def box(actor: Actor) -> Iterator[Box]:
+    workspace = actor.make_dir("/tmp", "egressbox-refusal-ws-")
+    home = actor.make_dir("/tmp", "egressbox-refusal-home-")
+    # Neither granted nor hidden (not under /tmp or /run): Landlock alone refuses writes here.
+    BASE_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+    outside = actor.make_dir(BASE_DIR, "refusal-outside-")
+    ssh = home / ".ssh"
+    ssh.mkdir(mode=0o700)
+    actor.own(ssh, 0o700)
+    (ssh / "id_rsa").write_text(SSH_SECRET, encoding="utf-8")
+    actor.own(ssh / "id_rsa", 0o600)
+    (home / "notes.txt").write_text("notes\n", encoding="utf-8")
+    actor.own(home / "notes.txt", 0o644)
+    try:
+        yield Box(actor, workspace, home, outside)
+    finally:
+        for path in (workspace, home, outside):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _text(data: bytes) -> str:
+    return data.decode(errors="replace")
+
+
+def _explain(done: subprocess.CompletedProcess[bytes]) -> str:
+    out, err = _text(done.stdout)[-2000:], _text(done.stderr)[-3000:]
+    return f"exit {done.returncode}\nstdout: {out}\nstderr: {err}"
+
+
+def _refusal_line(done: subprocess.CompletedProcess[bytes]) -> str:
+    lines = [line for line in _text(done.stderr).splitlines() if "; refused by " in line]
+    assert len(lines) == 1, _explain(done)
+    return lines[0]
+
+
+# -- home_read ----------------------------------------------------------------------------
+
+
+def test_reading_a_key_under_home_ssh_is_home_read(box: Box) -> None:
+    free = box.run(["cat", str(box.key)])
+    assert free.returncode == 0 and _text(free.stdout) == SSH_SECRET, _explain(free)
+    loose = box.egressbox("--profile", "unrestricted", "--", "cat", str(box.key))
+    assert loose.returncode == 0 and _text(loose.stdout) == SSH_SECRET, _explain(loose)
+
+    done = box.egressbox("--read-root", str(box.home), "--", "cat", str(box.key))
+    assert done.returncode == 1, _explain(done)
+    assert SSH_SECRET not in _text(done.stdout)
+    line = _refusal_line(done)
+    assert line.startswith(f"egressbox: command exited 1; refused by home_read: {box.key} ("), line
+    assert "from the command's error output" in line
+    assert "the deny list always wins" in line
+
+
+def test_reading_an_ungranted_file_under_home_is_home_read(box: Box) -> None:
+    notes = box.home / "notes.txt"
+    loose = box.egressbox("--profile", "unrestricted", "--", "cat", str(notes))
+    assert loose.returncode == 0, _explain(loose)
+
+    done = box.egressbox("--", "cat", str(notes))
+    assert done.returncode == 1, _explain(done)
+    line = _refusal_line(done)
+    assert f"refused by home_read: {notes} (" in line, line
+    assert f"--read-root {box.home} admits it" in line
+
+
+# -- write --------------------------------------------------------------------------------
+
+
+def _writers(box: Box, target: Path) -> dict[str, list[str]]:
+    return {
+        "touch": ["touch", str(target)],
+        "python": [box.actor.python, "-c", f"open({str(target)!r}, 'w').write('x')"],
+    }
+
+
+@pytest.mark.parametrize("writer", ["touch", "python"])
+def test_writing_outside_the_roots_is_write(box: Box, writer: str) -> None:
+    free_target = box.outside / f"free-{writer}"
+    free = box.run(_writers(box, free_target)[writer])
+    assert free.returncode == 0 and free_target.exists(), _explain(free)
+    loose_target = box.outside / f"loose-{writer}"
+    loose = box.egressbox("--profile", "unrestricted", "--", *_writers(box, loose_target)[writer])
+    assert loose.returncode == 0 and loose_target.exists(), _explain(loose)
+
+    target = box.outside / f"boxed-{writer}"
+    done = box.egressbox("--", *_writers(box, target)[writer])
+    assert done.returncode == 1, _explain(done)
+    assert not target.exists()
+    line = _refusal_line(done)
+    assert f"refused by write: {target} (" in line, line
+    assert f"--write-root {box.outside} admits it" in line
+
+
+def test_touching_etc_is_write(box: Box) -> None:
+    if box.actor.uid != 0:
+        pytest.skip("only root may create files in /etc outside egressbox")
+    target = Path(f"/etc/egressbox-x-{uuid.uuid4().hex[:8]}")
+    try:
+        loose = box.egressbox("--profile", "unrestricted", "--", "touch", str(target))
+        assert loose.returncode == 0 and target.exists(), _explain(loose)
+        target.unlink()
+        done = box.egressbox("--", "touch", str(target))
+        assert done.returncode == 1, _explain(done)
+        assert not target.exists()
+        assert f"refused by write: {target} (" in _refusal_line(done)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+
+
+# -- local_socket -------------------------------------------------------------------------
+
+
+class UnixListener:
+    """A pathname unix socket on the host that accepts and closes each connection."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "listener.sock"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(self.path))
+        self.sock.listen(16)
+        self.sock.settimeout(TICK)
+        os.chmod(self.path, 0o777)  # the unprivileged user connects too
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+@pytest.fixture(params=["run", "tmp"])
+def unix_listener(request: pytest.FixtureRequest) -> Iterator[UnixListener]:
+    parent = "/run" if request.param == "run" else "/tmp"
+    if not os.access(parent, os.W_OK):
+        pytest.skip(f"{parent} is not writable here")
+    directory = Path(parent) / f"egressbox-refusal-{uuid.uuid4().hex[:12]}"
+    directory.mkdir(mode=0o755)
+    listener = UnixListener(directory)
+    try:
+        yield listener
+    finally:
+        listener.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _unix_clients(box: Box, path: Path) -> dict[str, list[str]]:
+    clients = {"python": [box.actor.python, "-c", UNIX_CLIENT, str(path)]}
+    nc = shutil.which("nc")
+    if nc is not None:
+        clients["nc"] = [nc, "-U", str(path)]
+    return clients
+
+
+@pytest.mark.parametrize("client", ["python", "nc"])
+def test_connecting_to_a_host_unix_socket_is_local_socket(
+    box: Box, unix_listener: UnixListener, client: str
+) -> None:
+    argv = _unix_clients(box, unix_listener.path).get(client)
+    if argv is None:
+        pytest.skip(f"{client} is not installed")
+    loose = box.egressbox("--profile", "unrestricted", "--", *argv)
+    assert loose.returncode == 0, _explain(loose)
+    assert unix_listener.accepted == 1
+
+    done = box.egressbox("--", *argv)
+    assert done.returncode != 0, _explain(done)
+    assert unix_listener.accepted == 1
+    line = _refusal_line(done)
+    assert f"refused by local_socket: {unix_listener.path} (" in line, line
+
+
+# -- unknown: the command's own failure -----------------------------------------------------
+
+
+def test_a_failure_inside_a_granted_root_is_unknown(box: Box) -> None:
+    missing = box.workspace / "nonexistent-in-workspace"
+    free = box.run(["ls", str(missing)])
+    assert free.returncode == 2, _explain(free)
+    done = box.egressbox("--write-root", str(box.workspace), "--", "ls", str(missing))
+    assert done.returncode == 2, _explain(done)
+    assert str(missing) in _text(done.stderr)
+    assert _refusal_line(done) == "egressbox: command exited 2; refused by unknown"
+
+
+# -- the library: classification from captured output --------------------------------------
+
+LIBRARY_RUN = """
+import json, sys
+from egressbox import run_sync
+
+key, home = sys.argv[1], sys.argv[2]
+result = run_sync(["cat", key], policy=None, capture_output=True, read_roots=[home])
+refusal = result.refusal
+print(json.dumps({
+    "code": result.exit_code,
+    "stderr": result.stderr.decode(errors="replace"),
+    "boundary": refusal and refusal.boundary,
+    "paths": refusal and list(refusal.paths),
+    "source": refusal and refusal.source,
+    "evidence": refusal and list(refusal.evidence),
+}))
+"""
+
+
+def test_library_returns_a_typed_record_from_captured_stderr(box: Box) -> None:
+    done = box.run([box.actor.python, "-c", LIBRARY_RUN, str(box.key), str(box.home)])
+    assert done.returncode == 0, _explain(done)
+    seen = json.loads(done.stdout)
+    assert seen["code"] == 1, seen
+    assert seen["boundary"] == "home_read", seen
+    assert seen["paths"] == [str(box.key)], seen
+    assert seen["source"] == "from the command's error output", seen
+    assert seen["evidence"] == [seen["stderr"].strip()], seen
+
+
+# -- the stderr pass-through ---------------------------------------------------------------
+
+# Writes every byte value, then chunks of random bytes with pauses, then a large block,
+# to fd 2, with markers on stdout in between; exits 0 (no refusal line follows).
+BYTES_WRITER = """
+import os, random, sys, time
+rng = random.Random(int(sys.argv[1]))
+os.write(2, bytes(range(256)))
+for n in range(20):
+    os.write(2, rng.randbytes(rng.randrange(1, 5000)))
+    if n % 5 == 0:
+        time.sleep(0.01)
+data = rng.randbytes(300_000)
+view = memoryview(data)
+while view:
+    view = view[os.write(2, view):]
+"""
+
+
+def _expected_bytes(seed: int) -> bytes:
+    rng = random.Random(seed)
+    out = bytes(range(256))
+    for _ in range(20):
+        out += rng.randbytes(rng.randrange(1, 5000))
+    return out + rng.randbytes(300_000)
+
+
+def test_stderr_bytes_arrive_unchanged_and_in_order(box: Box) -> None:
+    seed = random.randrange(1 << 30)
+    done = box.egressbox("--", box.actor.python, "-c", BYTES_WRITER, str(seed))
+    assert done.returncode == 0, _explain(done)
+    assert done.stderr == _expected_bytes(seed)
+
+
+def test_a_grandchild_holding_stderr_does_not_hold_the_run(box: Box) -> None:
+    """Unrestricted has no PID namespace: a daemon outlives the command with its stderr."""
+    pid_file = box.workspace / "linger.pid"
+    script = f"sleep {LINGER_S} >/dev/null </dev/null & echo $! > {pid_file}; echo bye >&2; exit 3"
+    started = time.monotonic()
+    try:
+        done = box.egressbox("--profile", "unrestricted", "--", "/bin/sh", "-c", script)
+        elapsed = time.monotonic() - started
+        assert done.returncode == 3, _explain(done)
+        assert elapsed < LINGER_BOUND_S, _explain(done)
+        assert _text(done.stderr).startswith("bye\n"), _explain(done)
+        assert _refusal_line(done) == "egressbox: command exited 3; refused by unknown"
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text(encoding="ascii")), signal.SIGKILL)
+
+
+LIBRARY_LINGER = """
+import json, sys, time
+from egressbox import run_sync
+
+script = sys.argv[1]
+started = time.monotonic()
+result = run_sync(["/bin/sh", "-c", script], policy=None, capture_output=True,
+                  profile="unrestricted")
+print(json.dumps({"code": result.exit_code, "elapsed": time.monotonic() - started,
+                  "stderr": result.stderr.decode(errors="replace")}))
+"""
+
+
+def test_captured_output_is_not_held_by_a_grandchild(box: Box) -> None:
+    pid_file = box.workspace / "linger-library.pid"
+    script = f"sleep {LINGER_S} >/dev/null </dev/null & echo $! > {pid_file}; echo bye >&2; exit 3"
+    try:
+        done = box.run([box.actor.python, "-c", LIBRARY_LINGER, script])
+        assert done.returncode == 0, _explain(done)
+        seen = json.loads(done.stdout)
+        assert seen["code"] == 3 and seen["stderr"] == "bye\n", seen
+        assert seen["elapsed"] < LINGER_BOUND_S, seen
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text(encoding="ascii")), signal.SIGKILL)
+
+
+PTY_CHILD = """
+import os, sys
+size = os.get_terminal_size(2)
+print(os.isatty(2), size.columns, size.lines, flush=True)
+os.write(2, b"one\\ntwo\\r\\n\\x1b[31mred\\x1b[0m\\x00\\xff")
+"""
+
+
+def test_a_terminal_stderr_reaches_the_child_as_a_pty(box: Box) -> None:
+    master, slave = pty.openpty()
+    try:
+        tty.setraw(slave)  # so that what the parent writes arrives exactly
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 45, 123, 0, 0))
+        argv = [*box.actor.egressbox, "run", "--quiet", "--", box.actor.python, "-c", PTY_CHILD]
+        command, env = box.actor.command(argv, box.actor.base_env(box.home))
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=env,
+            cwd=box.workspace,
+        )
+        os.close(slave)
+        slave = -1
+        seen = _read_until_closed(master, proc)
+        stdout = proc.stdout.read() if proc.stdout else b""
+        assert proc.wait(timeout=RUN_TIMEOUT) == 0, (stdout, seen)
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    assert stdout.split() == [b"True", b"123", b"45"], (stdout, seen)
+    assert seen == b"one\ntwo\r\n\x1b[31mred\x1b[0m\x00\xff", seen
+
+
+def _read_until_closed(master: int, proc: subprocess.Popen[bytes]) -> bytes:
+    seen = b""
+    deadline = time.monotonic() + PTY_READ_TIMEOUT
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every slave side is closed
+                break
+            if not data:
+                break
+            seen += data
+        elif proc.poll() is not None:
+            break
+    return seen
+
+
+WINCH_CHILD = """
+import os, signal, time
+sizes = []
+signal.signal(signal.SIGWINCH, lambda *_: sizes.append(os.get_terminal_size(2)))
+print("ready", os.get_terminal_size(2).columns, flush=True)
+for _ in range(1000):
+    if sizes:
+        break
+    time.sleep(0.01)
+print("resized", sizes[-1].columns if sizes else 0, sizes[-1].lines if sizes else 0, flush=True)
+"""
+
+
+def test_a_new_window_size_reaches_the_childs_pty_before_sigwinch(tmp_path: Path) -> None:
+    actor = invoking_actor()  # signals go to `egressbox run` itself, not through runuser
+    master, slave = pty.openpty()
+    try:
+        tty.setraw(slave)
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 10, 20, 0, 0))
+        argv = [*actor.egressbox, "run", "--quiet", "--", actor.python, "-c", WINCH_CHILD]
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=actor.base_env(tmp_path),
+            cwd=tmp_path,
+        )
+        assert proc.stdout is not None
+        try:
+            assert proc.stdout.readline().split() == [b"ready", b"20"]
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 150, 0, 0))
+            proc.send_signal(signal.SIGWINCH)
+            assert proc.stdout.readline().split() == [b"resized", b"150", b"50"]
+            assert proc.wait(timeout=RUN_TIMEOUT) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=RUN_TIMEOUT)
+    finally:
+        os.close(master)
+        os.close(slave)

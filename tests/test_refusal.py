@@ -1,0 +1,389 @@
+"""Refusal records from a command's error output (confine/refusal.py): scanning, path
+extraction, judging against a plan, and the one-line summary. Pure: the host's
+filesystem is a dictionary here."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from egressbox.confine.refusal import (
+    TAIL_BYTES,
+    Boundary,
+    HostPath,
+    PathPlan,
+    RefusalRecord,
+    classify_output,
+    error_lines,
+    extract_paths,
+)
+
+HOME = "/home/alice"
+WORK = "/home/alice/project"
+PLAN = PathPlan(
+    homes=(HOME,),
+    read=("/usr", "/etc", "/proc", f"{HOME}/.pyenv", "/srv/granted"),
+    write=(WORK, "/tmp", "/var/tmp", "/dev", "/tmp/ws"),
+    deny=(f"{HOME}/.ssh", f"{HOME}/.aws", f"{HOME}/.netrc"),
+    read_only=(f"{WORK}/vendor",),
+    always_read_only=("/proc/sys", "/sys"),
+    hidden=("/tmp", "/var/tmp", "/run", "/dev/shm"),
+    bound_back=(("/tmp/ws", True), ("/tmp/ro", False)),
+    landlock_fs=True,
+    abstract_isolated=True,
+)
+FILE = HostPath(True, parent_exists=True)
+DIR = HostPath(True, is_dir=True, parent_exists=True)
+SOCKET = HostPath(True, is_socket=True, parent_exists=True)
+NEW = HostPath(False, parent_exists=True)  # absent, but its directory exists
+HOST: dict[str, HostPath] = {
+    f"{HOME}/.ssh/id_rsa": FILE,
+    f"{HOME}/.aws/credentials": FILE,
+    f"{HOME}/.bashrc": FILE,
+    f"{HOME}/notes": DIR,
+    "/etc/hosts": FILE,
+    "/etc/shadow": HostPath(True, parent_exists=True, readable=False),
+    "/run/docker.sock": SOCKET,
+    "/tmp/ws/app.sock": SOCKET,
+    "/tmp/host-only/data.txt": FILE,
+    "/tmp/ro/file": FILE,
+    f"{WORK}/vendor/lib.py": FILE,
+    f"{WORK}/src": DIR,
+    "/srv/private/data": FILE,
+    "/proc/sys/kernel/core_pattern": FILE,
+}
+
+
+def lookup(path: str) -> HostPath:
+    if path in HOST:
+        return HOST[path]
+    parent = path.rsplit("/", 1)[0] or "/"
+    known_dirs = {"/etc", "/tmp/ws", "/tmp/ro", WORK, HOME, "/srv", "/root", "/tmp/host-only"}
+    return HostPath(False, parent_exists=parent in known_dirs or parent in HOST)
+
+
+def classify(text: str, plan: PathPlan = PLAN) -> RefusalRecord | None:
+    return classify_output(text, plan, lookup)
+
+
+# -- scanning and extraction ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "errno", "paths", "writes"),
+    [
+        ("cat: /etc/x: Permission denied", "EACCES", ("/etc/x",), False),
+        ("touch: cannot touch '/etc/x': Permission denied", "EACCES", ("/etc/x",), True),
+        (
+            "PermissionError: [Errno 13] Permission denied: '/x/y'",
+            "EACCES",
+            ("/x/y",),
+            False,
+        ),
+        ("OSError: [Errno 30] Read-only file system: '/a b/c'", "EROFS", ("/a b/c",), False),
+        ("open /etc/x: permission denied", "EACCES", ("/etc/x",), False),  # Go
+        (
+            "Error: EACCES: permission denied, open '/usr/lib/node_modules/x'",  # Node
+            "EACCES",
+            ("/usr/lib/node_modules/x",),
+            False,
+        ),
+        (
+            "mkdir: cannot create directory \u2018/srv/x\u2019: Permission denied",
+            "EACCES",
+            ("/srv/x",),
+            True,
+        ),
+        (
+            'Load key "~/.ssh/id_ed25519": Permission denied',
+            "EACCES",
+            ("~/.ssh/id_ed25519",),
+            False,
+        ),
+        (
+            "error: could not lock config file /root/.gitconfig: Operation not permitted",
+            "EPERM",
+            ("/root/.gitconfig",),
+            True,
+        ),
+        ("nc: /run/x.sock: No such file or directory", "ENOENT", ("/run/x.sock",), False),
+        (
+            'socat E connect(5, AF=1 "/run/a.sock", 13): Connection refused',
+            "ECONNREFUSED",
+            ("/run/a.sock",),
+            False,
+        ),
+        (
+            "ConnectionRefusedError: [Errno 111] Connection refused: '\\x00abstract'",
+            "ECONNREFUSED",
+            ("@abstract",),
+            False,
+        ),
+        ("mv: cannot move '/a/b' to '/c/d': Permission denied", "EACCES", ("/a/b", "/c/d"), True),
+        ("\x1b[31merror\x1b[0m: /etc/x: Permission denied", "EACCES", ("/etc/x",), False),
+        ("Permission denied (os error 13): /var/lib/x", "EACCES", ("/var/lib/x",), False),
+    ],
+)
+def test_error_lines_find_errno_paths_and_writes(
+    line: str, errno: str, paths: tuple[str, ...], writes: bool
+) -> None:
+    found = error_lines(f"noise before\n{line}\nnoise after /etc/passwd\n")
+    assert len(found) == 1
+    assert found[0].errno == errno
+    assert found[0].paths == paths
+    assert found[0].writes is writes
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "git@github.com: Permission denied (publickey).",  # authentication, no path
+        "fatal: Could not read from remote repository.",
+        "curl: (7) Failed to connect to example.com port 443: Connection refused",
+        "see https://example.com/docs/permission: Permission denied",  # a URL is no path
+        "Permission denied",
+        "open x.txt: permission denied",  # relative: the cwd is unknown here
+    ],
+)
+def test_lines_without_a_path_are_not_evidence(line: str) -> None:
+    assert error_lines(line) == []
+
+
+def test_carriage_returns_split_lines() -> None:
+    found = error_lines("progress 10%\rcat: /etc/x: Permission denied\r\n")
+    assert [f.paths for f in found] == [("/etc/x",)]
+
+
+def test_bare_paths_lose_trailing_punctuation() -> None:
+    assert extract_paths("cannot open /etc/x.conf: Permission denied.") == ("/etc/x.conf",)
+    assert extract_paths("(/var/lib/x) Permission denied") == ("/var/lib/x",)
+
+
+# -- judging against the plan -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "boundary", "path"),
+    [
+        # the credential deny list: any errno, as long as the file is really there
+        (f"cat: {HOME}/.ssh/id_rsa: Permission denied", "home_read", f"{HOME}/.ssh/id_rsa"),
+        (f"cat: {HOME}/.ssh/id_rsa: No such file or directory", "home_read", f"{HOME}/.ssh/id_rsa"),
+        (
+            'Load key "~/.aws/credentials": Permission denied',
+            "home_read",
+            f"{HOME}/.aws/credentials",
+        ),
+        # the home directory outside the read roots
+        (f"cat: {HOME}/.bashrc: Permission denied", "home_read", f"{HOME}/.bashrc"),
+        (
+            f"ls: cannot open directory '{HOME}/notes': Permission denied",
+            "home_read",
+            f"{HOME}/notes",
+        ),
+        # writes outside the write roots
+        ("touch: cannot touch '/etc/egressbox-x': Permission denied", "write", "/etc/egressbox-x"),
+        ("PermissionError: [Errno 13] Permission denied: '/etc/new'", "write", "/etc/new"),
+        ("PermissionError: [Errno 13] Permission denied: '/etc/hosts'", "write", "/etc/hosts"),
+        (f"touch: cannot touch '{HOME}/x': Permission denied", "write", f"{HOME}/x"),
+        (
+            f"OSError: [Errno 30] Read-only file system: '{WORK}/vendor/lib.py'",
+            "write",
+            f"{WORK}/vendor/lib.py",
+        ),
+        ("touch: cannot touch '/tmp/ro/file': Read-only file system", "write", "/tmp/ro/file"),
+        (
+            "sh: 1: cannot create /proc/sys/kernel/core_pattern: Read-only file system",
+            "write",
+            "/proc/sys/kernel/core_pattern",
+        ),
+        (
+            "touch: cannot touch '/tmp/host-only/new': No such file or directory",
+            "write",
+            "/tmp/host-only/new",
+        ),
+        # host unix sockets hidden by the mount namespace; abstract names
+        ("nc: /run/docker.sock: No such file or directory", "local_socket", "/run/docker.sock"),
+        ("connect '/run/docker.sock': Connection refused", "local_socket", "/run/docker.sock"),
+        (
+            "ConnectionRefusedError: [Errno 111] Connection refused: '\\x00dbus'",
+            "local_socket",
+            "@dbus",
+        ),
+    ],
+)
+def test_refused_paths_name_their_boundary(text: str, boundary: str, path: str) -> None:
+    record = classify(text)
+    assert record is not None
+    assert record.boundary == boundary
+    assert record.paths == (path,)
+    assert record.source == "from the command's error output"
+    assert record.evidence == (text,)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"ls: cannot access '{WORK}/nonexistent': No such file or directory",  # granted, missing
+        f"cat: {WORK}/src: Permission denied",  # granted: the command's own business
+        "cat: /etc/shadow: Permission denied",  # the host's own permissions refuse it
+        "cat: /etc/missing: No such file or directory",
+        f"cat: {HOME}/.ssh/missing_key: No such file or directory",  # denied, but absent
+        "nc: /tmp/ws/app.sock: Connection refused",  # a granted socket: the server is down
+        "touch: cannot touch '/tmp/ws/new': Permission denied",  # writable root
+        "cat: /nonexistent/dir/file: Permission denied",  # neither it nor its directory exist
+        "something: /tmp/scratch.txt: No such file or directory",  # the child's own /tmp
+    ],
+)
+def test_granted_or_absent_paths_are_not_blamed(text: str) -> None:
+    assert classify(text) is None
+
+
+def test_read_refused_outside_home_is_unknown_with_a_hint() -> None:
+    record = classify("cat: /srv/private/data: Permission denied")
+    assert record is not None
+    assert record.boundary == "unknown"
+    assert record.paths == ("/srv/private/data",)
+    assert "--read-root /srv/private" in record.hint
+
+
+def test_without_landlock_or_mounts_nothing_on_the_filesystem_is_blamed() -> None:
+    open_plan = PathPlan(homes=(HOME,), abstract_isolated=True)
+    for text in (
+        "touch: cannot touch '/etc/egressbox-x': Permission denied",
+        f"cat: {HOME}/.bashrc: Permission denied",
+        "nc: /run/docker.sock: Connection refused",
+    ):
+        assert classify(text, open_plan) is None, text
+    record = classify("Connection refused: '@bus'", open_plan)
+    assert record is not None and record.boundary == "local_socket"
+
+
+def test_the_last_refusal_decides_and_its_paths_are_gathered() -> None:
+    text = "\n".join(
+        [
+            "touch: cannot touch '/etc/a': Permission denied",
+            f"cat: {HOME}/.ssh/id_rsa: Permission denied",
+            "touch: cannot touch '/etc/b': Permission denied",
+            "touch: cannot touch '/etc/a': Permission denied",
+        ]
+    )
+    record = classify(text)
+    assert record is not None
+    assert record.boundary == "write"
+    assert record.paths == ("/etc/a", "/etc/b")
+
+
+def test_a_named_boundary_beats_an_unknown_read() -> None:
+    text = f"cat: {HOME}/.bashrc: Permission denied\ncat: /srv/private/data: Permission denied\n"
+    record = classify(text)
+    assert record is not None and record.boundary == "home_read"
+
+
+def test_only_the_tail_is_scanned() -> None:
+    early = "touch: cannot touch '/etc/early': Permission denied\n"
+    assert classify(early + "x" * TAIL_BYTES) is None
+
+
+def test_each_path_is_looked_up_once() -> None:
+    calls: list[str] = []
+
+    def counting(path: str) -> HostPath:
+        calls.append(path)
+        return lookup(path)
+
+    text = "touch: cannot touch '/etc/a': Permission denied\n" * 50
+    classify_output(text, PLAN, counting)
+    assert calls == ["/etc/a"]
+
+
+# -- the one line -----------------------------------------------------------------------
+
+
+def test_line_keeps_the_egress_unknown_and_timeout_forms() -> None:
+    egress = RefusalRecord(Boundary.EGRESS, ("a.test:443 (no_allow_rule)",))
+    assert egress.line(22) == "command exited 22; refused by egress: a.test:443 (no_allow_rule)"
+    assert RefusalRecord(Boundary.UNKNOWN).line(3) == "command exited 3; refused by unknown"
+    timeout = RefusalRecord(Boundary.TIMEOUT, timeout=1.5)
+    assert timeout.line(124) == "command exited 124; the timeout of 1.5 s expired"
+
+
+def test_line_names_boundary_path_source_and_hint() -> None:
+    record = classify("touch: cannot touch '/etc/egressbox-x': Permission denied")
+    assert record is not None
+    assert record.line(1) == (
+        "command exited 1; refused by write: /etc/egressbox-x "
+        "(from the command's error output; --write-root /etc admits it)"
+    )
+    denied = classify(f"cat: {HOME}/.ssh/id_rsa: Permission denied")
+    assert denied is not None
+    assert "the deny list always wins" in denied.line(1)
+
+
+def test_line_shortens_many_paths() -> None:
+    record = RefusalRecord(Boundary.WRITE, paths=tuple(f"/etc/{n}" for n in "abcde"))
+    assert record.line(1).endswith("refused by write: /etc/a, /etc/b, /etc/c and 2 more")
+
+
+# -- robustness ---------------------------------------------------------------------------
+
+
+def _any_host(path: str) -> HostPath:
+    # Deterministic but varied answers from the path's characters.
+    code = sum(map(ord, path))
+    return HostPath(bool(code & 1), bool(code & 2), bool(code & 4), bool(code & 8), bool(code & 16))
+
+
+FRAGMENTS = st.sampled_from(
+    [
+        "Permission denied",
+        "permission denied",
+        "EACCES",
+        "Read-only file system",
+        "No such file or directory",
+        "Connection refused",
+        "Operation not permitted",
+        "'",
+        '"',
+        "`",
+        "\u2018",
+        "\u2019",
+        ":",
+        "/",
+        "~/",
+        "~",
+        "@",
+        "\\x00",
+        "\x00",
+        "\x1b[",
+        "\x1b]",
+        "\r",
+        "\n",
+        "/etc/x",
+        "/home/alice/.ssh/id_rsa",
+        "/run/docker.sock",
+        "touch",
+        " ",
+        "..",
+        "//",
+    ]
+)
+TEXTS = st.one_of(st.text(), st.lists(st.one_of(FRAGMENTS, st.text(max_size=5))).map("".join))
+
+
+@settings(max_examples=400, deadline=None)
+@given(TEXTS)
+def test_random_text_never_raises(text: str) -> None:
+    for line in error_lines(text):
+        assert line.errno in {"EACCES", "EROFS", "EPERM", "ENOENT", "ECONNREFUSED"}
+        assert line.paths
+    record = classify_output(text, PLAN, _any_host)
+    if record is not None:
+        assert record.boundary in {"local_socket", "home_read", "write", "unknown"}
+        assert record.paths
+        record.line(1)
+
+
+@given(st.binary(max_size=2048))
+def test_random_bytes_never_raise(data: bytes) -> None:
+    classify_output(data.decode("utf-8", "replace"), PLAN, _any_host)
