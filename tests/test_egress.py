@@ -472,3 +472,64 @@ async def test_check_now_without_resolve_now_needs_the_query() -> None:
     decision = await pending.finish()
     assert decision.reason is Reason.ALLOWED
     assert resolver.queries == ["pypi.org"]
+
+
+# -- the memo of decisions made without a query ----------------------------------------
+
+
+class StableCache(FakeResolver):
+    """resolve_now answers from one Resolution object per name until `replace`."""
+
+    def __init__(self, answers: dict[str, list[str]]) -> None:
+        super().__init__(answers)
+        self.cache = {
+            name: Resolution(tuple(ip(a) for a in addrs), (name,), 60.0, "cache")
+            for name, addrs in answers.items()
+        }
+        self.asked_now = 0
+
+    def resolve_now(self, host: str) -> Resolution | None:
+        self.asked_now += 1
+        return self.cache.get(host)
+
+    def replace(self, host: str, addresses: list[str]) -> None:
+        self.cache[host] = Resolution(tuple(ip(a) for a in addresses), (host,), 60.0, "cache")
+
+
+def test_a_repeated_target_gets_the_memoized_decision() -> None:
+    policy = make_policy(allow=["151.101.0.223"])
+    first = check_now(policy, FakeResolver(), "151.101.0.223", 443, self_endpoints=LISTENERS)
+    again = check_now(policy, FakeResolver(), "151.101.0.223", 443, self_endpoints=LISTENERS)
+    assert isinstance(first, Decision) and first.allowed
+    assert again is first
+
+
+def test_a_new_policy_or_new_endpoints_decide_afresh() -> None:
+    allowing = make_policy(allow=["151.101.0.223"])
+    denying = make_policy(allow=["pypi.org"])
+    target = ("151.101.0.223", 8443)
+    assert _decided(check_now(allowing, FakeResolver(), *target)).allowed
+    assert not _decided(check_now(denying, FakeResolver(), *target)).allowed
+    self_target = SelfEndpoints(frozenset({(ip("151.101.0.223"), 8443)}))
+    refused = _decided(check_now(allowing, FakeResolver(), *target, self_endpoints=self_target))
+    assert refused.reason is Reason.SELF_CONNECTION
+
+
+def test_a_name_is_memoized_only_while_its_cached_answer_stays() -> None:
+    policy = make_policy(allow=["pypi.org:443"])
+    resolver = StableCache({"pypi.org": [PUBLIC_V4]})
+    first = _decided(check_now(policy, resolver, "pypi.org", 443))
+    assert _decided(check_now(policy, resolver, "pypi.org", 443)) is first
+    # A new answer in the cache (a refresh, or a rebinding attempt) is judged anew.
+    resolver.replace("pypi.org", ["10.0.0.7"])
+    second = _decided(check_now(policy, resolver, "pypi.org", 443))
+    assert not second.allowed
+    assert second.reason is Reason.PRIVATE_ADDRESS
+    # An answer gone from the cache means a query, never the old decision.
+    del resolver.cache["pypi.org"]
+    assert isinstance(check_now(policy, resolver, "pypi.org", 443), Pending)
+
+
+def _decided(result: Decision | Pending) -> Decision:
+    assert isinstance(result, Decision)
+    return result
