@@ -93,6 +93,7 @@ def probe(profile: str) -> dict[str, float]:
     prepared = prepare(options, facts)
     mark("prepare")
     launched = spawn(prepared)
+    launched.go()  # run sends it once the policy is loaded (here: already)
     mark("fork_listen")
     from egressbox.serve import run_loop
 
@@ -132,10 +133,14 @@ def child_path(prepared: Prepared) -> float:
 
     began = time.perf_counter()
     launched = spawn(prepared)
+    launched.go()
     for sock in launched.listeners:
         sock.close()
     os.waitpid(launched.pid, 0)
-    return time.perf_counter() - began
+    elapsed = time.perf_counter() - began
+    if launched.tee is not None:
+        launched.tee.finish()
+    return elapsed
 
 
 # -- timing whole commands ------------------------------------------------------------

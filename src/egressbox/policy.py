@@ -7,11 +7,9 @@ first) and names its key path and the fix, e.g.
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -183,6 +181,8 @@ def load_run_settings(path: str) -> RunSettings:
 
 
 def _read_toml(path: str) -> dict[str, Any]:
+    import tomllib  # only when a file is read: `run -- CMD` without one skips ~2.5 ms
+
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -234,7 +234,7 @@ class _Parser:
     def unknown_keys(self, table: Mapping[str, Any], known: Sequence[str], prefix: str) -> None:
         for key in table:
             if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
+                close = _close_match(key, known)
                 hint = f'did you mean "{close[0]}"? ' if close else ""
                 where = f"{prefix}{key}"
                 self.problem(where, f"unknown key; {hint}known keys: {', '.join(known)}")
@@ -603,7 +603,7 @@ class _Parser:
     def known_name(self, value: str, path: str, names: Sequence[str]) -> bool:
         if value in names:
             return True
-        close = difflib.get_close_matches(value, names, n=1)
+        close = _close_match(value, names)
         hint = f'did you mean "{close[0]}"? ' if close else ""
         self.problem(path, f"unknown value {value!r}; {hint}use one of {_quoted(names)}")
         return False
@@ -764,3 +764,10 @@ def _too_broad(text: str, rule: Rule) -> str:
         f'"{text}" is too broad ({why}); list the hosts you need, or write '
         f'{{ host = "{text}", broad = true }} if you mean it'
     )
+
+
+def _close_match(word: str, choices: Sequence[str]) -> list[str]:
+    """The one choice that looks like `word` (for "did you mean"), if any."""
+    import difflib  # only on a mistake
+
+    return difflib.get_close_matches(word, choices, n=1)
