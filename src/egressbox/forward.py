@@ -165,6 +165,7 @@ class Forwarder(asyncio.Protocol):
         self.client_eof = False
         self.reading = False  # the client transport is being read (it starts paused)
         self.up_blocked = False  # the upstream's write buffer is full
+        self.client_blocked = False  # the client's write buffer is full
         self.dropped = 0  # bytes dropped while lingering
         self.deadline = 0.0
         self.timer: asyncio.TimerHandle | None = None
@@ -225,14 +226,24 @@ class Forwarder(asyncio.Protocol):
         self.state.connections.discard(self.conn)
 
     def pause_writing(self) -> None:
-        if self.upstream is not None and self.upstream.transport is not None:
-            with contextlib.suppress(RuntimeError):
-                self.upstream.transport.pause_reading()
+        self.client_blocked = True
+        self._sync_upstream_reading()
 
     def resume_writing(self) -> None:
-        if self.upstream is not None and self.upstream.transport is not None:
-            with contextlib.suppress(RuntimeError):
-                self.upstream.transport.resume_reading()
+        self.client_blocked = False
+        self._sync_upstream_reading()
+
+    def _sync_upstream_reading(self) -> None:
+        """Read the upstream only while the client takes what we write (a kept or new
+        upstream connection starts in the client's current state, too)."""
+        upstream = self.upstream
+        if upstream is None or upstream.transport is None or upstream.transport.is_closing():
+            return
+        with contextlib.suppress(RuntimeError):
+            if self.client_blocked:
+                upstream.transport.pause_reading()
+            else:
+                upstream.transport.resume_reading()
 
     # -- requests ------------------------------------------------------------------
 
@@ -347,6 +358,8 @@ class Forwarder(asyncio.Protocol):
         assert head is not None
         self.upstream = upstream
         self.reused = reused
+        if self.client_blocked:
+            self._sync_upstream_reading()
         upstream.received = False
         self.status = 0
         self.closing = False

@@ -12,6 +12,7 @@ the next request arrives, sending bytes after a response, answering with
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -258,3 +259,31 @@ async def test_an_idle_kept_connection_closed_by_the_upstream_is_dialed_anew(
         await wire.close(writer)
     assert origin.accepted == 2
     assert len(proxy.records) == 2
+
+
+async def test_a_client_that_stops_reading_holds_back_the_upstream_across_requests(
+    proxy: EgressProxy, origin: HttpOrigin, wire: Wire
+) -> None:
+    # Three pipelined 4 MiB downloads, and the client reads nothing for a while: the
+    # proxy must stop reading each upstream (a new one too) instead of buffering.
+    reader, writer = await wire.open(proxy.http_address)
+    try:
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        # Another host name each time: each response comes on a new upstream connection.
+        hosts = ("origin.test", "127.0.0.1", "origin.test")
+        writer.write(b"".join(get(origin.port, "/big", host) for host in hosts))
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        buffered = [
+            c.transport.get_write_buffer_size() for c in proxy.state.connections if c.transport
+        ]
+        assert buffered and max(buffered) < 2 * 1024 * 1024
+        for _ in range(3):
+            status, headers, _ = await wire.read_head(reader)
+            body = await wire.read_exactly(reader, int(headers["content-length"]))
+            assert status == 200 and len(body) == len(wire.big_body)
+            assert body == wire.big_body
+    finally:
+        await wire.close(writer)
+    assert origin.accepted == 3
