@@ -56,7 +56,6 @@ __all__ = [
     "default_pipe_pool",
     "new_tunnel",
     "open_tunnel",
-    "open_tunnel_on_transport",
     "open_tunnel_with_upstream",
     "relay",
     "take_socket",
@@ -865,36 +864,6 @@ def _new_tunnel(
     return tunnel
 
 
-async def open_tunnel_on_transport(
-    client: asyncio.Transport,
-    upstream: socket.socket,
-    *,
-    idle_timeout: float,
-    initial_to_upstream: bytes = b"",
-    initial_to_client: bytes = b"",
-    splice_threshold: int | None = SPLICE_THRESHOLD,
-    pipes: PipePool | None = None,
-) -> Tunnel:
-    """As open_tunnel(), but the client keeps the transport the server accepted it on.
-
-    Saves a dup, an abort and a second event-loop registration per tunnel
-    (measured: ~30 us of proxy CPU per short tunnel). The transport must be
-    open, hold no unsent bytes, and be paused; its protocol is replaced.
-    """
-    if client.is_closing() or client.get_write_buffer_size() or not idle_timeout > 0:
-        upstream.close()
-        raise ValueError("the client transport is closing or busy, or idle_timeout <= 0")
-    tunnel = _new_tunnel(
-        idle_timeout, splice_threshold, pipes, initial_to_upstream, initial_to_client
-    )
-    c = tunnel._sides[0]
-    client.set_protocol(c)
-    c.connection_made(client)
-    await tunnel._open_upstream(upstream)
-    tunnel._begin(initial_to_upstream, initial_to_client)
-    return tunnel
-
-
 def new_tunnel(
     *,
     idle_timeout: float,
@@ -928,7 +897,7 @@ def open_tunnel_with_upstream(
     """Start a new_tunnel() between the client's transport and its connected upstream.
 
     Synchronous: no Task, no dup, no new event-loop registration. The client
-    transport is handed over as in open_tunnel_on_transport() (it must be open,
+    transport is handed over (it must be open,
     hold no unsent bytes and be paused; its protocol is replaced). Both
     transports belong to the tunnel from here on, also when this raises
     ValueError (the client is closing or busy, or `upstream` was not made with

@@ -46,7 +46,6 @@ from egressbox.relay import (
     RelayStats,
     Tunnel,
     new_tunnel,
-    open_tunnel_on_transport,
     open_tunnel_with_upstream,
 )
 
@@ -165,7 +164,6 @@ class Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.dialing: Dialing | None = None
         self.over_limit = False
-        self.handing_off = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport: cast, don't check.
@@ -177,11 +175,7 @@ class Connection(asyncio.Protocol):
         self.timer = state.event_loop().call_later(state.limits.head_timeout, self.head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        # A connection being handed to the relay loses its transport on
-        # purpose (take_socket aborts it); it stays counted until the tunnel
-        # is tracked, so the limit and a drain never miss it.
-        if not self.handing_off:
-            self.state.connections.discard(self)
+        self.state.connections.discard(self)
         self.cancel_timer()
 
     def cancel_timer(self) -> None:
@@ -372,44 +366,6 @@ class Connection(asyncio.Protocol):
         return await dial(
             decision.addresses, decision.port, timeout=self.state.limits.connect_timeout
         )
-
-    async def tunnel(
-        self, upstream: socket.socket, decision: Decision, to_upstream: bytes, to_client: bytes
-    ) -> None:
-        """Hand the client socket and the upstream socket to the relay."""
-        transport, state = self.transport, self.state
-        assert transport is not None
-        if transport.is_closing():
-            # The client left (say, a reset) while the decision or the dial was
-            # in flight: nothing to relay, and the upstream socket is ours to close.
-            state.connections.discard(self)
-            upstream.close()
-            transport.abort()
-            return
-        # The relay takes over the transport (its protocol is replaced, so our
-        # connection_lost never runs): stop counting this as a connection only
-        # once the tunnel is tracked, so a drain starting meanwhile sees it.
-        self.handing_off = True
-        try:
-            tunnel = await open_tunnel_on_transport(
-                transport,
-                upstream,
-                idle_timeout=state.limits.idle_timeout,
-                initial_to_upstream=to_upstream,
-                initial_to_client=to_client,
-            )
-        except (OSError, ValueError):
-            transport.abort()
-            return
-        finally:
-            state.connections.discard(self)
-        state.tunnels.add(tunnel)
-        # Nothing of this Connection may stay reachable from the tunnel: an
-        # idle tunnel would otherwise keep the parser, the finished Task and
-        # the request head alive (measured: ~3 KiB per idle tunnel).
-        self.transport = None
-        self.task = None
-        _watch_tunnel(state, tunnel, self.protocol_name, decision)
 
     def log_refusal(self, decision: Decision, extra: str = "") -> None:
         if self.state.log is None:
