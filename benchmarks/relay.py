@@ -28,12 +28,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Coroutine
-from ipaddress import ip_address
 from typing import Any
 
 import uvloop
 
-from egressbox.dial import dial
 from egressbox.relay import SPLICE_THRESHOLD, Tunnel, open_tunnel, relay
 
 HOST = "127.0.0.1"
@@ -139,6 +137,18 @@ def role_pingpong(port: int) -> None:
         emit({"round_trips_per_s": PING_COUNT / (time.perf_counter() - started)})
 
 
+async def connect_upstream(port: int) -> socket.socket:
+    """A connected, non-blocking socket to the upstream on HOST."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (HOST, port)), 5.0)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def relay_one(threshold: int | None, upstream_port: int) -> None:
     loop = asyncio.get_running_loop()
     server = listener()
@@ -146,7 +156,7 @@ async def relay_one(threshold: int | None, upstream_port: int) -> None:
     client, _ = await loop.sock_accept(server)
     server.close()
     cpu = cpu_seconds()
-    upstream = await dial([ip_address(HOST)], upstream_port, timeout=5.0)
+    upstream = await connect_upstream(upstream_port)
     stats = await relay(client, upstream, idle_timeout=600.0, splice_threshold=threshold)
     emit({"cpu": cpu_seconds() - cpu, "spliced": stats.spliced})
 
@@ -178,7 +188,7 @@ async def relay_idle(threshold: int | None, upstream_port: int, count: int, task
             gc.collect()
             baseline = rss_bytes()
         client, _ = await loop.sock_accept(server)
-        upstream = await dial([ip_address(HOST)], upstream_port, timeout=5.0)
+        upstream = await connect_upstream(upstream_port)
         if tasks:
             coro = relay(client, upstream, idle_timeout=600.0, splice_threshold=threshold)
             kept.append(asyncio.create_task(coro))

@@ -28,7 +28,6 @@ from egressbox.dial import (
     DialError,
     DialFailure,
     Dialing,
-    dial,
     failure_for,
     interleave_families,
     start_connect,
@@ -131,11 +130,6 @@ def peer_host(sock: socket.socket) -> str:
     return str(sock.getpeername()[0])
 
 
-def check_returned(sock: socket.socket) -> None:
-    assert not sock.getblocking()
-    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-
-
 # --- Order ---------------------------------------------------------------------------
 
 
@@ -165,158 +159,12 @@ def test_failure_codes() -> None:
     ]
 
 
-def test_bad_arguments(run: Runner) -> None:
-    async def scenario() -> None:
-        for addresses, port, timeout in (([], 80, 1.0), ([V4], 0, 1.0), ([V4], 65536, 1.0)):
-            with pytest.raises(ValueError):
-                await dial(addresses, port, timeout=timeout)
-        with pytest.raises(ValueError):
-            await dial([V4], 80, timeout=0)
-
-    run(scenario)
-
-
-# --- Loopback dials --------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
-def test_single_address_connects(run: Runner, host: str) -> None:
-    async def scenario() -> None:
-        with listening(host) as port, await dial([ip_address(host)], port, timeout=TIMEOUT) as sock:
-            check_returned(sock)
-            assert sock.getpeername()[:2] == (host, port)
-
-    run(scenario)
-
-
-def test_refused(run: Runner) -> None:
-    async def scenario() -> None:
-        before = fd_count()
-        with refusing("127.0.0.1") as port, pytest.raises(DialError) as caught:
-            await dial([V4], port, timeout=TIMEOUT)
-        assert caught.value.reason is DialFailure.CONNECT_REFUSED
-        assert str(caught.value) == f"connection refused by 127.0.0.1 port {port}"
-        assert fd_count() == before
-
-    run(scenario)
-
-
-def test_blackholed_first_address_then_second_wins(run: Runner) -> None:
-    async def scenario() -> None:
-        with one_port((blackholed, "127.0.0.2"), (listening, "127.0.0.3")) as port:
-            before = fd_count()
-            addresses = [ip_address("127.0.0.2"), ip_address("127.0.0.3")]
-            sock = await dial(addresses, port, timeout=TIMEOUT, stagger=0.05)
-            assert peer_host(sock) == "127.0.0.3"
-            check_returned(sock)
-            assert fd_count() == before + 1  # the loser's socket is closed
-            sock.close()
-
-    run(scenario)
-
-
-def test_a_failure_starts_the_next_attempt_at_once(run: Runner) -> None:
-    async def scenario() -> None:
-        with one_port((listening, "127.0.0.1"), (refusing, "::1")) as port:
-            started = time.monotonic()
-            sock = await dial([V6, V4], port, timeout=2 * LONG_STAGGER, stagger=LONG_STAGGER)
-            elapsed = time.monotonic() - started
-            with sock:
-                assert peer_host(sock) == "127.0.0.1"
-        assert elapsed < LONG_STAGGER / 3  # the refusal started 127.0.0.1 at once
-
-    run(scenario)
-
-
-def test_both_families_v6_blackholed_v4_wins(run: Runner) -> None:
-    async def scenario() -> None:
-        with one_port((blackholed, "::1"), (listening, "127.0.0.1")) as port:
-            sock = await dial([V6, V4], port, timeout=TIMEOUT, stagger=0.05)
-            with sock:
-                assert sock.family == socket.AF_INET
-                assert peer_host(sock) == "127.0.0.1"
-
-    run(scenario)
-
-
-def test_both_families_v4_refused_v6_wins(run: Runner) -> None:
-    async def scenario() -> None:
-        with one_port((listening, "::1"), (refusing, "127.0.0.1")) as port:
-            sock = await dial([V4, V6], port, timeout=TIMEOUT)
-            with sock:
-                assert sock.family == socket.AF_INET6
-                assert peer_host(sock) == "::1"
-
-    run(scenario)
-
-
-def test_every_attempt_refused_reports_refusal(run: Runner) -> None:
-    async def scenario() -> None:
-        with (
-            one_port((refusing, "127.0.0.1"), (refusing, "::1")) as port,
-            pytest.raises(DialError) as caught,
-        ):
-            await dial([V6, V4], port, timeout=TIMEOUT, stagger=0.01)
-        assert caught.value.reason is DialFailure.CONNECT_REFUSED
-
-    run(scenario)
-
-
-def test_overall_timeout(run: Runner) -> None:
-    async def scenario() -> None:
-        with one_port((blackholed, "127.0.0.2"), (blackholed, "127.0.0.3")) as port:
-            before = fd_count()
-            started = time.monotonic()
-            addresses = [ip_address("127.0.0.2"), ip_address("127.0.0.3")]
-            with pytest.raises(DialError) as caught:
-                await dial(addresses, port, timeout=SHORT, stagger=0.05)
-            assert time.monotonic() - started >= SHORT * 0.9
-            assert fd_count() == before
-        assert caught.value.reason is DialFailure.CONNECT_TIMEOUT
-        assert str(caught.value) == (
-            f"no connection to 127.0.0.2, 127.0.0.3 port {port} within {SHORT:g} s"
-        )
-
-    run(scenario)
-
-
-def test_cancelled_dial_leaves_no_open_fds(run: Runner) -> None:
-    async def scenario() -> None:
-        with one_port((blackholed, "127.0.0.2"), (blackholed, "::1")) as port:
-            before = fd_count()
-            task = asyncio.create_task(
-                dial([ip_address("127.0.0.2"), V6], port, timeout=TIMEOUT, stagger=0.01)
-            )
-            await asyncio.sleep(0.1)  # both attempts in flight
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert fd_count() == before
-
-    run(scenario)
-
-
-def test_never_calls_the_resolver(run: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_lookups(*args: object, **kwargs: object) -> None:
-        raise AssertionError("dial() must not resolve")
-
-    monkeypatch.setattr(socket, "getaddrinfo", no_lookups)
-    monkeypatch.setattr(socket, "gethostbyname", no_lookups)
-
-    async def scenario() -> None:
-        with listening("127.0.0.1") as port:
-            sock = await dial([V4], port, timeout=TIMEOUT)
-            sock.close()
-
-    run(scenario)
-
-
 # --- Inside a private network namespace -------------------------------------------------
 
 _NETNS_SCRIPT = """
 import asyncio, json, socket, subprocess, sys
 from ipaddress import ip_address
-from egressbox.dial import DialError, dial
+from egressbox.dial import DialError, start_connect
 
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 # Packets to this TEST-NET-2 range loop back over lo and are dropped (no
@@ -324,12 +172,18 @@ subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 subprocess.run(["ip", "route", "add", "198.51.100.0/24", "dev", "lo"], check=True)
 
 async def attempt(addresses, port, timeout):
-    try:
-        sock = await dial([ip_address(a) for a in addresses], port, timeout=timeout, stagger=0.05)
-    except DialError as exc:
-        return exc.reason.value
-    with sock:
-        return "connected to " + sock.getpeername()[0]
+    done = asyncio.get_running_loop().create_future()
+    start_connect(
+        [ip_address(a) for a in addresses], port, asyncio.Protocol(),
+        lambda transport, error: done.set_result((transport, error)),
+        timeout=timeout, stagger=0.05,
+    )
+    transport, error = await done
+    if error is not None:
+        return error.reason.value
+    peer = transport.get_extra_info("peername")[0]
+    transport.abort()
+    return "connected to " + peer
 
 async def main():
     listener = socket.create_server(("127.0.0.1", 0))
@@ -650,6 +504,30 @@ def test_connect_never_calls_the_resolver(run: Runner, monkeypatch: pytest.Monke
             transport, _ = await connect([V4], port, timeout=TIMEOUT)
             await closed(transport)
             transport, _ = await connect([V6], port6, timeout=TIMEOUT)
+            await closed(transport)
+
+    run(scenario)
+
+
+def test_both_families_v6_blackholed_v4_wins(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((blackholed, "::1"), (listening, "127.0.0.1")) as port:
+            transport, _ = await connect([V6, V4], port, timeout=TIMEOUT, stagger=0.05)
+            sock = transport.get_extra_info("socket")
+            assert sock.family == socket.AF_INET
+            assert peer_host(sock) == "127.0.0.1"
+            await closed(transport)
+
+    run(scenario)
+
+
+def test_both_families_v4_refused_v6_wins(run: Runner) -> None:
+    async def scenario() -> None:
+        with one_port((listening, "::1"), (refusing, "127.0.0.1")) as port:
+            transport, _ = await connect([V4, V6], port, timeout=TIMEOUT)
+            sock = transport.get_extra_info("socket")
+            assert sock.family == socket.AF_INET6
+            assert peer_host(sock) == "::1"
             await closed(transport)
 
     run(scenario)

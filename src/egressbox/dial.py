@@ -1,21 +1,18 @@
 """Connect to the checked, pinned addresses only (DESIGN §3.5), Happy Eyeballs style.
 
-`dial()` never sees a name: it takes the `ipaddress` objects that the decision
-checked and connects to exactly those, in RFC 8305 order (families interleaved,
-starting with the family of the first address). The next attempt starts after
-`stagger` seconds, or at once when an attempt fails; the first connection wins
-and every other socket is closed, whatever way `dial()` ends (success, error,
-overall timeout or cancellation). Each attempt is a non-blocking socket watched
-with `loop.add_writer` (no Task per attempt, no resolver on any path: addresses
-are passed to `connect` as numeric text built from their packed bytes).
-
-`start_connect()` is the proxy's own path: the same order, stagger, timeout and
-failure codes, but each attempt is the event loop's `create_connection` to a
-numeric host (no resolver: uvloop and asyncio both parse numeric text without
+`start_connect()` never sees a name: it takes the `ipaddress` objects that the
+decision checked and connects to exactly those, in RFC 8305 order (families
+interleaved, starting with the family of the first address). The next attempt
+starts after `stagger` seconds, or at once when an attempt fails; the first
+connection wins and every other one is closed, whatever way the dial ends
+(success, error, overall timeout or cancellation). Each attempt is the event
+loop's `create_connection` to numeric text built from the address's packed
+bytes (no resolver: uvloop and asyncio both parse numeric text without
 getaddrinfo), so the winning transport is made directly with the caller's
-protocol (a relay side) instead of a socket that must be wrapped afterwards
-(measured: ~55 us less proxy CPU per short tunnel than `dial()` plus
-`connect_accepted_socket`). It reports through a callback, not a coroutine.
+protocol (a relay side, a forwarder's upstream) instead of a socket that must
+be wrapped afterwards (measured: ~55 us less proxy CPU per short tunnel than a
+socket-level dial plus `connect_accepted_socket`). It reports through a
+callback, not a coroutine.
 
 Failures map to `DialError` with a `DialFailure` code; the server turns these
 into HTTP 502/504 and SOCKS5 replies 0x05/0x04/0x03/0x01. Messages name the
@@ -26,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
-import os
 import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -43,7 +38,6 @@ __all__ = [
     "DialError",
     "DialFailure",
     "Dialing",
-    "dial",
     "failure_for",
     "interleave_families",
     "start_connect",
@@ -139,161 +133,6 @@ def _message(failure: DialFailure, address: IPAddress, port: int, exc: OSError) 
     return f"connection to {where} failed: {exc.strerror or exc}"
 
 
-def _sockaddr(address: IPAddress, port: int) -> tuple[socket.AddressFamily, tuple[object, ...]]:
-    """Family and numeric sockaddr; built from the packed bytes, so no scope id and no lookup."""
-    if isinstance(address, ipaddress.IPv4Address):
-        return socket.AF_INET, (socket.inet_ntop(socket.AF_INET, address.packed), port)
-    return socket.AF_INET6, (socket.inet_ntop(socket.AF_INET6, address.packed), port, 0, 0)
-
-
-class _Attempt:
-    """One non-blocking connect, watched with add_writer; reports to `on_done`."""
-
-    __slots__ = ("address", "error", "on_done", "port", "sock", "watching")
-
-    def __init__(self, address: IPAddress, port: int, on_done: Callable[[_Attempt], None]) -> None:
-        self.address = address
-        self.port = port
-        self.on_done = on_done
-        self.sock: socket.socket | None = None
-        self.error: OSError | None = None
-        self.watching = False
-
-    @property
-    def running(self) -> bool:
-        return self.watching
-
-    @property
-    def connected(self) -> bool:
-        return self.sock is not None and not self.watching and self.error is None
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        family, sockaddr = _sockaddr(self.address, self.port)
-        try:
-            self.sock = socket.socket(family, socket.SOCK_STREAM)
-            self.sock.setblocking(False)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            code = self.sock.connect_ex(sockaddr)
-        except OSError as exc:
-            self._fail(exc)
-            return
-        if code == errno.EINPROGRESS:
-            loop.add_writer(self.sock.fileno(), self._on_writable, loop)
-            self.watching = True
-        elif code != 0:
-            self._fail(OSError(code, os.strerror(code)))
-        else:
-            self.on_done(self)
-
-    def _on_writable(self, loop: asyncio.AbstractEventLoop) -> None:
-        assert self.sock is not None
-        self._unwatch(loop)
-        code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if code:
-            self._fail(OSError(code, os.strerror(code)))
-        else:
-            self.on_done(self)
-
-    def _fail(self, exc: OSError) -> None:
-        self.error = exc
-        if self.sock is not None:
-            self.sock.close()
-        self.on_done(self)
-
-    def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self.watching and self.sock is not None:
-            loop.remove_writer(self.sock.fileno())
-        self.watching = False
-
-    def take(self) -> socket.socket:
-        """Hand the connected socket over; close() then leaves it alone."""
-        sock = self.sock
-        assert sock is not None
-        self.sock = None
-        return sock
-
-    def close(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._unwatch(loop)
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-
-class _Race:
-    """Staggered attempts over `order`; the first connected socket wins."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, order: list[IPAddress], port: int) -> None:
-        self._loop = loop
-        self._pending = deque(order)
-        self._port = port
-        self._attempts: list[_Attempt] = []
-        self._changed: asyncio.Future[bool] | None = None
-        self._failures = 0
-
-    async def run(self, stagger: float) -> socket.socket:
-        self._start_next()
-        seen_failures = 0
-        while True:
-            winner = self._take_winner()
-            if winner is not None:
-                return winner
-            idle = not any(a.running for a in self._attempts)
-            if idle and not self._pending:
-                raise self._failure()
-            if idle or self._failures > seen_failures:
-                seen_failures = self._failures
-                self._start_next()  # a failure starts the next at once (RFC 8305 §5)
-                continue
-            if await self._wait(stagger if self._pending else None):
-                self._start_next()
-
-    def _start_next(self) -> None:
-        if not self._pending:
-            return
-        attempt = _Attempt(self._pending.popleft(), self._port, self._wake)
-        self._attempts.append(attempt)
-        attempt.start(self._loop)
-
-    def _wake(self, attempt: _Attempt) -> None:
-        if attempt.error is not None:
-            self._failures += 1
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(False)
-
-    async def _wait(self, delay: float | None) -> bool:
-        """Wait for an attempt to end (False) or for `delay` to pass (True)."""
-        fut: asyncio.Future[bool] = self._loop.create_future()
-        self._changed = fut
-        timer = None if delay is None else self._loop.call_later(delay, _resolve, fut, True)
-        try:
-            return await fut
-        finally:
-            self._changed = None
-            if timer is not None:
-                timer.cancel()
-
-    def _take_winner(self) -> socket.socket | None:
-        for attempt in self._attempts:
-            if attempt.connected:
-                return attempt.take()
-        return None
-
-    def _failure(self) -> DialError:
-        failed = [(failure_for(a.error), a) for a in self._attempts if a.error is not None]
-        failure, attempt = min(failed, key=lambda item: _FAILURE_PRIORITY.index(item[0]))
-        assert attempt.error is not None
-        return DialError(failure, _message(failure, attempt.address, self._port, attempt.error))
-
-    def close(self) -> None:
-        for attempt in self._attempts:
-            attempt.close(self._loop)
-
-
-def _resolve(fut: asyncio.Future[bool], value: bool) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
 def _timeout_error(order: Sequence[IPAddress], port: int, timeout: float) -> DialError:
     shown = ", ".join(str(a) for a in order)
     message = f"no connection to {shown} port {port} within {timeout:g} s"
@@ -305,92 +144,14 @@ def _attempt_error(address: IPAddress, port: int, exc: OSError) -> DialError:
     return DialError(failure, _message(failure, address, port, exc))
 
 
-async def _dial_one(
-    loop: asyncio.AbstractEventLoop, address: IPAddress, port: int, timeout: float
-) -> socket.socket:
-    """One address: the same outcomes as a one-entry `_Race`, without its machinery.
-
-    The socket is closed on every way out but success (error, timeout, cancellation).
-    """
-    family, sockaddr = _sockaddr(address, port)
-    error: OSError | None = None
-    try:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as exc:
-        error = exc
-    if error is not None:
-        raise _attempt_error(address, port, error)
-    try:
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        code = sock.connect_ex(sockaddr)
-        if code == errno.EINPROGRESS:
-            fut: asyncio.Future[bool] = loop.create_future()
-            fd = sock.fileno()
-            loop.add_writer(fd, _resolve, fut, True)
-            try:
-                timer = loop.call_later(timeout, _resolve, fut, False)
-                try:
-                    connected = await fut
-                finally:
-                    timer.cancel()
-            finally:
-                loop.remove_writer(fd)
-            if not connected:
-                raise _timeout_error((address,), port, timeout)
-            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if code:
-            error = OSError(code, os.strerror(code))
-    except OSError as exc:
-        error = exc
-    except BaseException:
-        sock.close()
-        raise
-    if error is not None:
-        sock.close()
-        raise _attempt_error(address, port, error)
-    return sock
-
-
 def _check_arguments(order: list[IPAddress], port: int, timeout: float, stagger: float) -> None:
     if not order:
-        raise ValueError("dial() needs at least one address")
+        raise ValueError("a dial needs at least one address")
     if not 0 < port <= MAX_PORT:
         raise ValueError(f"port out of range: {port}")
     if not timeout > 0 or not stagger >= 0:
         raise ValueError("timeout must be > 0 and stagger >= 0")
 
-
-async def dial(
-    addresses: Sequence[IPAddress],
-    port: int,
-    *,
-    timeout: float,
-    stagger: float = DEFAULT_STAGGER,
-) -> socket.socket:
-    """Connect to one of `addresses` on `port`; return a connected non-blocking socket.
-
-    The socket has TCP_NODELAY set and belongs to the caller (hand it to
-    `loop.connect_accepted_socket`, `create_connection(sock=...)` or relay).
-    Raises `DialError` when no address accepts within `timeout` seconds
-    (connect_timeout) or every attempt fails; `ValueError` for no addresses or
-    a bad port. Cancellation closes every socket it opened.
-    """
-    order = interleave_families(addresses)
-    _check_arguments(order, port, timeout, stagger)
-    if len(order) == 1:  # the common case: no race to run
-        return await _dial_one(asyncio.get_running_loop(), order[0], port, timeout)
-    race = _Race(asyncio.get_running_loop(), order, port)
-    try:
-        async with asyncio.timeout(timeout):
-            return await race.run(stagger)
-    except TimeoutError:
-        raise _timeout_error(order, port, timeout) from None
-    finally:
-        race.close()
-
-
-# -- start_connect: transports made by the event loop, reported by callback -----------
 
 # What start_connect reports, exactly once (unless cancelled first): the
 # connected transport, or the DialError saying why there is none.
@@ -629,7 +390,7 @@ def start_connect(
     stagger: float = DEFAULT_STAGGER,
     loop: asyncio.AbstractEventLoop | None = None,
 ) -> Dialing:
-    """Connect `protocol` to one of `addresses` on `port`, as `dial()` would choose.
+    """Connect `protocol` to one of `addresses` on `port` (the order: see the module doc).
 
     The winning transport is made with `protocol` as its protocol (its
     `connection_made` runs before any byte is read); TCP_NODELAY is set by the

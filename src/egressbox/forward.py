@@ -42,7 +42,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, cast
 
 from egressbox.decide import Decision
-from egressbox.dial import DialError
+from egressbox.dial import DialError, Dialing, start_connect
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.protocols import http1
 from egressbox.replies import dial_http_status, http_status
@@ -76,11 +76,11 @@ class _Phase(enum.Enum):
 class _Upstream(asyncio.Protocol):
     """One upstream connection: every event goes to its forwarder."""
 
-    def __init__(self, owner: Forwarder, host: str, port: int, address: IPAddress) -> None:
+    def __init__(self, owner: Forwarder, host: str, port: int) -> None:
         self.owner = owner
         self.host = host
         self.port = port
-        self.address = address
+        self.address: IPAddress | None = None  # the checked address it is connected to
         self.transport: asyncio.Transport | None = None
         self.received = False  # a response byte came on this connection for the request
         self.eof = False
@@ -88,6 +88,9 @@ class _Upstream(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.address = ipaddress.ip_address(str(peer[0]).partition("%")[0])
 
     def data_received(self, data: bytes) -> None:
         self.received = True
@@ -112,6 +115,7 @@ class _Upstream(asyncio.Protocol):
         return (
             not self.lost
             and not self.eof
+            and self.address is not None
             and self.transport is not None
             and not self.transport.is_closing()
             and self.host == decision.host
@@ -171,6 +175,7 @@ class Forwarder(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0  # when `timer` fires
         self.task: asyncio.Task[None] | None = None
+        self.dialing: Dialing | None = None
 
     # -- the client transport's protocol -------------------------------------------
 
@@ -220,6 +225,9 @@ class Forwarder(asyncio.Protocol):
         if self.task is not None and not self.task.done():
             self.task.cancel()
         self.task = None
+        if self.dialing is not None:
+            self.dialing.cancel()
+            self.dialing = None
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
@@ -305,12 +313,47 @@ class Forwarder(asyncio.Protocol):
             return
         self._drop_upstream()
         self._sync_reading()
-        self._spawn(self._connect(decision))
+        self._connect(decision)
 
-    async def _connect(self, decision: Decision) -> None:
-        upstream = await self._dial(decision)
-        if upstream is not None:
-            self._exchange(upstream, reused=False)
+    def _connect(self, decision: Decision) -> None:
+        """Dial one of the decision's addresses; the exchange starts from the report."""
+        upstream = _Upstream(self, decision.host, decision.port)
+
+        def dialed(transport: asyncio.Transport | None, error: DialError | None) -> None:
+            try:
+                self._dialed(upstream, decision, error)
+            except Exception as exc:  # a bug must not kill the server (nor hang the client)
+                self.state.diagnostic(f"http: internal error while forwarding: {exc!r}")
+                upstream.close()
+                self._end()
+
+        self.dialing = start_connect(
+            decision.addresses,
+            decision.port,
+            upstream,
+            dialed,
+            timeout=self.limits.connect_timeout,
+            loop=self.loop,
+        )
+
+    def _dialed(self, upstream: _Upstream, decision: Decision, error: DialError | None) -> None:
+        self.dialing = None
+        if self.phase is not _Phase.DECIDING:  # the client left meanwhile
+            upstream.close()
+            return
+        if error is not None:
+            self.conn.log_refusal(decision, f"upstream: {error}")
+            status = dial_http_status(error.reason.value)
+            self._refuse(http1.error_reply(status, error.reason.value, str(error)))
+            return
+        if upstream.received:
+            # An HTTP server speaks only when asked: bytes before the request
+            # could pass for its response.
+            upstream.close()
+            message = "the upstream sent bytes before the request"
+            self._refuse(http1.error_reply(502, "bad_upstream_response", message))
+            return
+        self._exchange(upstream, reused=False)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         """Run `coro` in a Task that connection_lost cancels."""
@@ -330,27 +373,6 @@ class Forwarder(asyncio.Protocol):
         except Exception as exc:  # a bug must not kill the server
             self.state.diagnostic(f"http: internal error while forwarding: {exc!r}")
             self._end()
-
-    async def _dial(self, decision: Decision) -> _Upstream | None:
-        """A new upstream connection to one of the decision's addresses (None: refused)."""
-        try:
-            sock = await self.conn.dial_pinned(decision)
-        except DialError as exc:
-            self.conn.log_refusal(decision, f"upstream: {exc}")
-            status = dial_http_status(exc.reason.value)
-            self._refuse(http1.error_reply(status, exc.reason.value, str(exc)))
-            return None
-        try:
-            address = ipaddress.ip_address(sock.getpeername()[0].partition("%")[0])
-            upstream = _Upstream(self, decision.host, decision.port, address)
-            await self.loop.connect_accepted_socket(lambda: upstream, sock)
-        except BaseException:
-            sock.close()
-            raise
-        if self.phase is not _Phase.DECIDING:  # the client left meanwhile
-            upstream.close()
-            return None
-        return upstream
 
     def _exchange(self, upstream: _Upstream, *, reused: bool) -> None:
         """Send the request head and what there is of its body; the response follows."""
@@ -466,7 +488,7 @@ class Forwarder(asyncio.Protocol):
         upstream.close()
         self.phase = _Phase.DECIDING
         self._sync_reading()
-        self._spawn(self._connect(decision))
+        self._connect(decision)
         return True
 
     def upstream_blocked(self, upstream: _Upstream, blocked: bool) -> None:

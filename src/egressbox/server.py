@@ -35,7 +35,7 @@ from egressbox.audit import (
     decision_line,
 )
 from egressbox.decide import Decision, SelfEndpoints, bad_target, deny, parse_target
-from egressbox.dial import DialError, Dialing, dial, start_connect
+from egressbox.dial import DialError, Dialing, start_connect
 from egressbox.egress import Pending, check_now
 from egressbox.errors import AuditError, HostError, Reason
 from egressbox.hosts import IPAddress, format_authority
@@ -361,11 +361,6 @@ class Connection(asyncio.Protocol):
     def record(self, decision: Decision) -> None:
         """Write the decision's audit record (raises AuditError when the sink fails)."""
         self.state.emit_decision(self.protocol_name, decision)
-
-    async def dial_pinned(self, decision: Decision) -> socket.socket:
-        return await dial(
-            decision.addresses, decision.port, timeout=self.state.limits.connect_timeout
-        )
 
     def log_refusal(self, decision: Decision, extra: str = "") -> None:
         if self.state.log is None:

@@ -41,7 +41,6 @@ from egressbox.dial import (
     DialError,
     DialFailure,
     Dialing,
-    dial,
     start_connect,
 )
 from egressbox.hosts import IPAddress
@@ -499,21 +498,6 @@ def dials(monkeypatch: pytest.MonkeyPatch) -> Iterator[DialGuard]:
     """
     guard = DialGuard()
 
-    async def guarded(
-        addresses: tuple[IPAddress, ...],
-        port: int,
-        *,
-        timeout: float,
-        stagger: float = DEFAULT_STAGGER,
-    ) -> socket.socket:
-        addresses = tuple(addresses)
-        guard.calls.append((addresses, port))
-        outside = [str(ip) for ip in addresses if not ip.is_loopback]
-        if outside:
-            guard.violations.append(f"the proxy tried to dial {outside} port {port}")
-            raise DialError(DialFailure.CONNECT_FAILED, "test guard: not a loopback address")
-        return await dial(addresses, port, timeout=timeout, stagger=stagger)
-
     def guarded_connect(
         addresses: Sequence[IPAddress],
         port: int,
@@ -536,8 +520,8 @@ def dials(monkeypatch: pytest.MonkeyPatch) -> Iterator[DialGuard]:
             addresses, port, protocol, on_done, timeout=timeout, stagger=stagger, loop=loop
         )
 
-    monkeypatch.setattr("egressbox.server.dial", guarded)
     monkeypatch.setattr("egressbox.server.start_connect", guarded_connect)
+    monkeypatch.setattr("egressbox.forward.start_connect", guarded_connect)
     yield guard
     assert guard.violations == [], "the proxy dialed outside loopback"
 
