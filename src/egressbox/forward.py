@@ -394,8 +394,14 @@ class Forwarder(asyncio.Protocol):
         self._touch(self.limits.idle_timeout)
         if pending:
             self._body_bytes(pending)
-        if self.phase is _Phase.EXCHANGE:
-            self._sync_reading()
+        if self.phase is not _Phase.EXCHANGE:
+            return
+        if self.client_eof and not self.body.done:
+            # The client closed while the connection was being made, before the
+            # end of its body: the request can never be whole.
+            self._end()
+            return
+        self._sync_reading()
 
     def _body_bytes(self, data: bytes) -> None:
         body = self.body

@@ -287,3 +287,23 @@ async def test_a_client_that_stops_reading_holds_back_the_upstream_across_reques
     finally:
         await wire.close(writer)
     assert origin.accepted == 3
+
+
+async def test_a_body_cut_short_while_the_upstream_is_dialed_ends_the_connection(
+    proxy: EgressProxy, origin: HttpOrigin, wire: Wire
+) -> None:
+    # Head, part of the body and the client's FIN arrive together: the FIN comes
+    # while the upstream connection is being made, and the request can never be
+    # whole, so the proxy must end the connection now, not at the idle timeout.
+    reader, writer = await wire.open(proxy.http_address)
+    try:
+        head = get(origin.port, "/echo", extra="Content-Length: 10\r\n").replace(b"GET", b"POST")
+        writer.write(head + b"abc")
+        writer.write_eof()
+        async with asyncio.timeout(2.0):
+            assert await reader.read() == b""
+    finally:
+        await wire.close(writer)
+    async with asyncio.timeout(2.0):
+        while proxy.state.connections:
+            await asyncio.sleep(0.01)
