@@ -133,29 +133,53 @@ def open_audit(options: ServeOptions) -> AuditSink | None:
     return JsonlFileSink(path, max_bytes=options.audit_max_bytes, keep=options.audit_keep)
 
 
+async def _started_proxy(
+    options: ServeOptions,
+    policy: Policy,
+    servers: list[tuple[str, int]],
+    audit: AuditSink | None,
+    sockets: dict[str, socket.socket] | None = None,
+) -> EgressProxy | None:
+    """The proxy on the options' ports, or on `sockets` (a worker's), started;
+    None when it cannot start (said on stderr)."""
+    # --nameserver overrides [dns] nameservers (keeping its timeout and cache);
+    # without it the proxy builds the resolver from [dns] itself, so that a
+    # SIGHUP reload with changed [dns] settings takes effect.
+    resolver = make_resolver(policy, servers) if servers else None
+    ports: dict[str, Any] = {"http_port": options.http_port, "socks_port": options.socks_port}
+    if sockets is not None:
+        http, socks = sockets.get("http"), sockets.get("socks5")
+        ports = {
+            "http_port": None,
+            "socks_port": None,
+            "http_sockets": [http] if http is not None else (),
+            "socks_sockets": [socks] if socks is not None else (),
+        }
+    proxy = EgressProxy(
+        policy,
+        listen=options.listen,
+        resolver=resolver,
+        audit=audit,
+        log=None if options.quiet else stderr_log,
+        **ports,
+    )
+    try:
+        await proxy.start()
+    except (OSError, ValueError) as exc:
+        _fail(f"cannot start the proxy: {exc}", EXIT_START)
+        return None
+    return proxy
+
+
 async def _serve(
     options: ServeOptions,
     policy: Policy,
     servers: list[tuple[str, int]],
     audit: AuditSink | None,
 ) -> int:
-    # --nameserver overrides [dns] nameservers (keeping its timeout and cache);
-    # without it the proxy builds the resolver from [dns] itself, so that a
-    # SIGHUP reload with changed [dns] settings takes effect.
-    resolver = make_resolver(policy, servers) if servers else None
-    proxy = EgressProxy(
-        policy,
-        listen=options.listen,
-        http_port=options.http_port,
-        socks_port=options.socks_port,
-        resolver=resolver,
-        audit=audit,
-        log=None if options.quiet else stderr_log,
-    )
-    try:
-        await proxy.start()
-    except (OSError, ValueError) as exc:
-        return _fail(f"cannot start the proxy: {exc}", EXIT_START)
+    proxy = await _started_proxy(options, policy, servers, audit)
+    if proxy is None:
+        return EXIT_START
     # Signal handlers before the ready line: a supervisor may send SIGHUP or
     # SIGTERM as soon as it reads the line, and SIGHUP's default action kills.
     stop = asyncio.Event()
@@ -255,23 +279,9 @@ async def _serve_worker(
 ) -> int:
     from egressbox.workers import report, share_limits, wait_for_go
 
-    resolver = make_resolver(policy, servers) if servers else None
-    http, socks = sockets.get("http"), sockets.get("socks5")
-    proxy = EgressProxy(
-        policy,
-        listen=options.listen,
-        http_port=None,
-        socks_port=None,
-        http_sockets=[http] if http is not None else (),
-        socks_sockets=[socks] if socks is not None else (),
-        resolver=resolver,
-        audit=audit,
-        log=None if options.quiet else stderr_log,
-    )
-    try:
-        await proxy.start()
-    except (OSError, ValueError) as exc:
-        return _fail(f"cannot start the proxy: {exc}", EXIT_START)
+    proxy = await _started_proxy(options, policy, servers, audit, sockets)
+    if proxy is None:
+        return EXIT_START
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)

@@ -30,9 +30,7 @@ ceil(max_connections / N) and the total still holds.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import errno
 import ipaddress
 import json
 import math
@@ -47,17 +45,13 @@ from dataclasses import dataclass, field
 
 from egressbox.cli import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
 from egressbox.policy import Policy
-from egressbox.server import stderr_log
+from egressbox.server import LISTEN_BACKLOG, stderr_log
 
 # More processes than this is a typo, not a deployment.
 MAX_WORKERS = 256
 # How long the parent sleeps in select() at most between looks at its workers
 # (SIGCHLD wakes it at once; this is the safety net).
 SUPERVISE_TICK = 1.0
-# Listen backlog of each worker's socket (as server.LISTEN_BACKLOG).
-LISTEN_BACKLOG = 1024
-# prctl(2) option: the signal a child gets when its parent dies.
-PR_SET_PDEATHSIG = 1
 # Signals the parent handles; everything else keeps its default action.
 PARENT_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -528,10 +522,9 @@ def _child(
 
 
 def _set_pdeathsig(sig: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err or errno.EINVAL)}")
+    from egressbox.confine import syscalls
+
+    syscalls.prctl(syscalls.PR_SET_PDEATHSIG, int(sig))
 
 
 def report(fd: int, event: str, **fields: object) -> None:

@@ -142,16 +142,13 @@ def _tell(chan: socket.socket, message: dict[str, object], fds: tuple[int, ...] 
         netns.send_message(chan, message, fds)
 
 
-PR_SET_PDEATHSIG = 1
-
-
 def _die_with_parent(parent: int) -> None:
     """SIGKILL this process when its parent dies (an `egressbox run` killed with
     SIGKILL must not leave a sandbox running); checked again after the call,
     since the parent may already be gone."""
     from egressbox.confine import syscalls
 
-    syscalls.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(EXIT_CANNOT_CONFINE)
 
@@ -184,7 +181,7 @@ def _die_with_parent_pid_ns(launcher: int) -> None:
     from egressbox.confine import syscalls
 
     del launcher
-    syscalls.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _prepare_seccomp(plan: LaunchPlan) -> Any:

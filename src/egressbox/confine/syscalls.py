@@ -37,6 +37,7 @@ MS_SHARED = 1 << 20
 MNT_DETACH = 2
 
 # prctl(2) options.
+PR_SET_PDEATHSIG = 1  # the signal a child gets when its parent dies
 PR_SET_DUMPABLE = 4
 PR_CAPBSET_READ = 23
 PR_CAPBSET_DROP = 24
