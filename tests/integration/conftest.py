@@ -28,7 +28,7 @@ import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import pytest
 from aiohttp import web
@@ -240,6 +240,48 @@ class EchoOrigin:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class StreamOrigin:
+    """An asyncio stream server on 127.0.0.1 that tracks its connections; a subclass
+    answers each one in `handle` (a reset, timeout or short read just ends it)."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> Self:
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        self.writers.add(writer)
+        try:
+            await self.handle(reader, writer)
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            self.writers.discard(writer)
+            writer.close()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        if self.server is None:
+            return
+        self.server.close()
+        for writer in list(self.writers):
+            writer.transport.abort()
+        await self.server.wait_closed()
 
 
 class ScriptedOrigin:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from egressbox.server import EgressProxy
+from integration.conftest import StreamOrigin
 
 if TYPE_CHECKING:
     from integration.conftest import HttpOrigin, Wire
@@ -44,43 +45,26 @@ def ok(body: bytes, *extra: str) -> bytes:
     return f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n{fields}\r\n".encode() + body
 
 
-class ScriptOrigin:
+class ScriptOrigin(StreamOrigin):
     """Answers requests per (connection index, request index) from a script."""
 
     def __init__(self, script: Script) -> None:
+        super().__init__()
         self.script = script
-        self.accepted = 0
         self.requests: list[tuple[int, bytes]] = []
-        self.port = 0
-        self._server: asyncio.Server | None = None
 
-    async def start(self) -> ScriptOrigin:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        index = self.accepted
-        self.accepted += 1
-        try:
-            for n in range(100):
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IO_TIMEOUT)
-                self.requests.append((index, head))
-                answer = self.script(index, n)
-                if answer is None:
-                    return
-                writer.write(answer.data if isinstance(answer, AndClose) else answer)
-                await writer.drain()
-                if isinstance(answer, AndClose):
-                    return
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = self.accepted - 1
+        for n in range(100):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IO_TIMEOUT)
+            self.requests.append((index, head))
+            answer = self.script(index, n)
+            if answer is None:
+                return
+            writer.write(answer.data if isinstance(answer, AndClose) else answer)
+            await writer.drain()
+            if isinstance(answer, AndClose):
+                return
 
 
 StartOrigin = Callable[[Script], Awaitable[ScriptOrigin]]

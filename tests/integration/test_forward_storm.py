@@ -17,7 +17,7 @@ import os
 import random
 
 from egressbox.server import EgressProxy
-from integration.conftest import Wire, make_policy
+from integration.conftest import StreamOrigin, Wire, make_policy
 
 SEED = 20_261_130
 CLIENTS = 160
@@ -50,40 +50,19 @@ def response(style: str, body: bytes) -> tuple[bytes, bool]:
     return sized + b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil", False
 
 
-class StyledOrigin:
+class StyledOrigin(StreamOrigin):
     """Answers each request by the style in its path: /STYLE/TOKEN -> body TOKEN."""
 
-    def __init__(self) -> None:
-        self.server: asyncio.Server | None = None
-        self.writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self) -> StyledOrigin:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self
-
-    @property
-    def port(self) -> int:
-        assert self.server is not None
-        port: int = self.server.sockets[0].getsockname()[1]
-        return port
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.writers.add(writer)
-        try:
-            while True:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IO_TIMEOUT)
-                await self._skip_body(reader, head.lower())
-                _, style, token = head.split(b" ", 2)[1].split(b"/", 3)[:3]
-                data, close = response(style.decode(), token)
-                writer.write(data)
-                await writer.drain()
-                if close:
-                    return
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, ValueError):
-            pass
-        finally:
-            self.writers.discard(writer)
-            writer.close()
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IO_TIMEOUT)
+            await self._skip_body(reader, head.lower())
+            _, style, token = head.split(b" ", 2)[1].split(b"/", 3)[:3]
+            data, close = response(style.decode(), token)
+            writer.write(data)
+            await writer.drain()
+            if close:
+                return
 
     @staticmethod
     async def _skip_body(reader: asyncio.StreamReader, head: bytes) -> None:
@@ -93,12 +72,6 @@ class StyledOrigin:
         elif b"\r\ncontent-length: " in head:
             length = int(head.split(b"\r\ncontent-length: ")[1].split(b"\r\n")[0])
             await asyncio.wait_for(reader.readexactly(length), IO_TIMEOUT)
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        for writer in list(self.writers):
-            writer.close()
 
 
 def fd_count() -> int:

@@ -31,6 +31,7 @@ from egressbox.hosts import IPAddress
 from egressbox.policy import Policy, parse_policy
 from egressbox.resolve import Resolution
 from egressbox.server import Connection, EgressProxy
+from integration.conftest import StreamOrigin
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -140,43 +141,13 @@ class BrokenSink:
 # -- an echo origin ------------------------------------------------------------------------
 
 
-class Origin:
-    """An asyncio echo server on 127.0.0.1 that counts the connections it accepts."""
+class Origin(StreamOrigin):
+    """An echo server on 127.0.0.1 that counts the connections it accepts."""
 
-    def __init__(self) -> None:
-        self.accepted = 0
-        self.server: asyncio.Server | None = None
-        self.writers: set[asyncio.StreamWriter] = set()
-
-    async def start(self) -> Origin:
-        self.server = await asyncio.start_server(self._echo, "127.0.0.1", 0)
-        return self
-
-    @property
-    def port(self) -> int:
-        assert self.server is not None
-        port: int = self.server.sockets[0].getsockname()[1]
-        return port
-
-    async def _echo(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.accepted += 1
-        self.writers.add(writer)
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            self.writers.discard(writer)
-            writer.close()
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for writer in list(self.writers):
-            writer.transport.abort()
-        await self.server.wait_closed()
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
 
 
 # -- raw clients (loop.sock_* works alike on asyncio and uvloop) ---------------------------
