@@ -1435,6 +1435,14 @@ def test_informational_responses() -> None:
     assert to_http10.informational == (b"", b"")
 
 
+def test_a_relayed_1xx_carries_no_framing_field() -> None:
+    # RFC 9110 §8.6 and RFC 9112 §6.1: no Content-Length or Transfer-Encoding on a 1xx.
+    sent = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\nContent-Length: 7\r\n\r\n"
+    got = relay_every_way(request(), sent + FINAL, eof=False)
+    assert isinstance(got, Relayed)
+    assert got.informational == (b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n",)
+
+
 RESPONSE_REFUSED: list[tuple[str, bytes, bool, str]] = [
     (
         "CL and TE",
@@ -1479,6 +1487,19 @@ RESPONSE_REFUSED: list[tuple[str, bytes, bool, str]] = [
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
         False,
         "asked for none",
+    ),
+    (
+        "1xx with TE twice",
+        b"HTTP/1.1 100 Continue\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n"
+        b"\r\nHTTP/1.1 204 No Content\r\n\r\n",
+        False,
+        "more than one",
+    ),
+    (
+        "1xx with CL and TE",
+        b"HTTP/1.1 103 Early Hints\r\nContent-Length: 0\r\nTransfer-Encoding: chunked\r\n\r\n",
+        False,
+        "both",
     ),
     (
         "too many 1xx",
@@ -1883,6 +1904,49 @@ def random_heads(draw: st.DrawFn) -> bytes:
     ends = draw(st.sampled_from(["\r\n\r\n", "\r\n\r\nrest", "\n\r\n", "\r\n\r\r\n\r\n"]))
     lead = draw(st.sampled_from(["", "", "\r\n"]))
     return (lead + "\r\n".join([first, *fields]) + ends).encode("latin-1")
+
+
+CONNECT_FIELDS = [
+    "Host: a.b:443",
+    "host: a.b",
+    "Host: a.b:0",
+    "Host: [::1]:443",
+    "Proxy-Connection: close",
+    "Connection: keep-alive, x",
+    "Connection: a b",
+    "Proxy-Authorization: Basic dTpw",
+    "X:\ty\t",
+    "X: caf\xe9",
+    "X:",
+    "Content-Length: 0",
+    "Content-Length: 3",
+    "Transfer-Encoding: chunked",
+    "Expect: 100-continue",
+    "Upgrade: websocket",
+]
+
+
+@st.composite
+def connect_heads(draw: st.DrawFn) -> bytes:
+    """CONNECT heads near the edges of the whole-head shortcut's shapes."""
+    host = draw(
+        st.sampled_from(["a.b", "127.0.0.1", "[::1]", "a@b", "", "x%y", "a[b", "a/b"])
+        | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7F), min_size=1, max_size=8)
+    )
+    port = draw(st.sampled_from(["443", "0", "65535", "65536", "00443", "", "4x", "99999999"]))
+    version = draw(st.sampled_from(["HTTP/1.1", "HTTP/1.0", "HTTP/1.2", "HTTP/2"]))
+    method = draw(st.sampled_from(["CONNECT", "CONNECT", "connect"]))
+    fields = draw(st.lists(st.sampled_from(CONNECT_FIELDS), max_size=5))
+    if draw(st.booleans()):
+        fields = fields + ["X: y"] * (MAX_HEADER_FIELDS - len(fields) + draw(st.integers(0, 1)))
+    lines = [f"{method} {host}:{port} {version}", *fields]
+    return ("\r\n".join(lines) + "\r\n\r\n" + draw(st.sampled_from(["", "tail"]))).encode("latin-1")
+
+
+@FUZZ
+@given(data=connect_heads(), limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD]))
+def test_whole_head_connect_shortcut_agrees_with_the_line_path(data: bytes, limit: int) -> None:
+    assert run_parser(whole(data), limit) == slow_path(data, limit)
 
 
 @FUZZ

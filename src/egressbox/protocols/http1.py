@@ -94,6 +94,15 @@ _CHUNK_LINE_RE = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?
 _STATUS_LINE_RE = re.compile(rb"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
 _REASON_CODE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _CR_OR_LF_RE = re.compile(rb"[\r\n]")
+# The whole-head path's two shortcuts, each matching only text that the general
+# functions accept and turn into the same value (checked by property tests):
+# a CONNECT line whose host has no brackets, colon, userinfo or URL delimiter,
+# and a field block in which every line is `token ":" value CRLF` with no
+# control character but HTAB in the value. Anything else takes the general path.
+_CONNECT_LINE_RE = re.compile(rb"CONNECT ([^\x00-\x20\x7f-\xff/?#@:\[\]]+):([0-9]+) (HTTP/1\.[01])")
+_FIELD_LINE = rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)\r\n"
+_FIELD_LINE_RE = re.compile(_FIELD_LINE)
+_FIELD_BLOCK_RE = re.compile(b"(?:" + _FIELD_LINE + b")*")
 _CR = 0x0D
 _LF = 0x0A
 _OWS = " \t"
@@ -461,19 +470,37 @@ class RequestHeadParser:
         end = data.find(b"\r\n\r\n")
         if end <= 0 or end + 4 > self._max_head_bytes:
             return None
-        lines = data[:end].split(b"\r\n")
-        breaks = len(lines) - 1
-        if not lines[0] or data.count(b"\r", 0, end) != breaks:
+        breaks = data.count(b"\r\n", 0, end)
+        if data.count(b"\r", 0, end) != breaks or data.count(b"\n", 0, end) != breaks:
             return None
-        if data.count(b"\n", 0, end) != breaks:
-            return None
-        request_line = self._request_line = _parse_request_line(lines[0])
-        for index in range(1, len(lines)):
-            self._on_field_line(lines[index])
-        head = _build_head(request_line, tuple(self._fields))
+        line_end = data.find(b"\r\n", 0, end + 2)
+        if line_end == 0:
+            return None  # a leading empty line: the line path skips it
+        connect = _CONNECT_LINE_RE.fullmatch(data, 0, line_end)
+        if connect is not None:
+            request_line = _connect_line(connect)
+        else:
+            request_line = _parse_request_line(data[:line_end])
+        self._request_line = request_line
+        head = _build_head(request_line, self._field_block(data, line_end + 2, end + 2))
         self._head = head
         self._trailing = data[end + 4 :]
         return head
+
+    def _field_block(self, data: bytes, start: int, stop: int) -> Fields:
+        """The fields of the CRLF-ended lines in data[start:stop] (none if start >= stop)."""
+        if start >= stop:
+            return ()
+        if _FIELD_BLOCK_RE.fullmatch(data, start, stop):
+            found = _FIELD_LINE_RE.findall(data, start, stop)
+            if len(found) <= MAX_HEADER_FIELDS:
+                return tuple(
+                    (name.decode("ascii"), value.strip(b" \t").decode("latin-1"))
+                    for name, value in found
+                )
+        for line in data[start : stop - 2].split(b"\r\n"):
+            self._on_field_line(line)  # the same checks, one line at a time, in order
+        return tuple(self._fields)
 
     def _advance(self) -> RequestHead | None:
         while True:
@@ -547,6 +574,16 @@ def _parse_request_line(line: bytes) -> _RequestLine:
         raise _bad_request("the method is not a token")
     kind, authority, origin_target = _interpret_target(method, target)
     return _RequestLine(method, target, version, kind, authority, origin_target)
+
+
+def _connect_line(match: re.Match[bytes]) -> _RequestLine:
+    """What `_parse_request_line` gives for a line `_CONNECT_LINE_RE` matched."""
+    host = match.group(1).decode("ascii")
+    raw_port = match.group(2).decode("ascii")
+    authority = Authority(host, _target_port(raw_port, connect=True))
+    target = f"{host}:{raw_port}"
+    version = match.group(3).decode("ascii")
+    return _RequestLine("CONNECT", target, version, RequestKind.CONNECT, authority, None)
 
 
 def _interpret_target(method: str, target: str) -> tuple[RequestKind, Authority, str | None]:
@@ -1325,6 +1362,10 @@ class ResponseFramer:
         self._informational += 1
         if self._informational > MAX_INFORMATIONAL_RESPONSES:
             raise UpstreamResponseError("too many 1xx responses")
+        # A 1xx has no body (RFC 9112 §6.3) and must carry no framing field
+        # (RFC 9110 §8.6, RFC 9112 §6.1), but a malformed one is refused as on
+        # any response: a lenient client behind us could still read it.
+        _response_framing(self._request, status, fields)
         # RFC 9110 §15.2: no 1xx to an HTTP/1.0 client. A 100 goes only to a
         # client that asked for it: some clients take an unexpected one for
         # the final answer.
@@ -1333,7 +1374,11 @@ class ResponseFramer:
         )
         if not relay:
             return InformationalResponse(status.status, b"")
-        kept = _strip_for_next_hop(fields, _connection_tokens(fields, None))
+        kept = [
+            item
+            for item in _strip_for_next_hop(fields, _connection_tokens(fields, None))
+            if item[0].lower() != "content-length"
+        ]
         return InformationalResponse(status.status, _serialize(_status_text(status), kept))
 
     def _final_head(self, status: _StatusLine, fields: Fields) -> ResponseHead:
