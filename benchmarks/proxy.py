@@ -288,6 +288,7 @@ class Proxy:
     http: int | None  # port of the HTTP (CONNECT and forwarding) listener
     socks: int | None  # port of the SOCKS5 listener
     workdir: Path
+    forwards: bool = True  # forwards absolute-form http:// requests (plain HTTP)
 
     @property
     def pid(self) -> int:
@@ -399,6 +400,16 @@ def start_pproxy(workdir: Path, origins: Origins) -> Proxy:
     return Proxy("pproxy", proc, port, port, workdir)
 
 
+def start_floor(workdir: Path, origins: Origins) -> Proxy:
+    """benchmarks/floor_proxy.py: CONNECT and relay only, nothing decided or recorded."""
+    argv = [sys.executable, str(HERE / "floor_proxy.py")]
+    with open(workdir / "stderr.log", "wb") as err:
+        proc = spawn(argv, stderr=err)
+    ready = read_json(proc, START_TIMEOUT)
+    port = int(ready["http"].rsplit(":", 1)[1])
+    return Proxy("uvloop-floor", proc, port, None, workdir, forwards=False)
+
+
 def egressbox_version() -> str:
     version = importlib.metadata.version("egressbox")
     rev = command_output(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"])
@@ -450,14 +461,22 @@ KINDS = [
         "LogLevel Connect (3 lines per connection) to a file",
     ),
     ProxyKind("pproxy", "pproxy", start_pproxy, pproxy_version, "no access log (pproxy has none)"),
+    ProxyKind(
+        "uvloop-floor",
+        "uvloop",
+        start_floor,
+        lambda: f"benchmarks/floor_proxy.py on uvloop {importlib.metadata.version('uvloop')}",
+        "nothing: a reference floor, not a proxy (CONNECT and relay only: no policy, DNS,"
+        " audit, limits or timeouts); no plain HTTP",
+    ),
 ]
 
 
 def installed(kind: ProxyKind) -> bool:
     if kind.program == "egressbox":
         return True
-    if kind.name == "pproxy":
-        return importlib.util.find_spec("pproxy") is not None
+    if kind.program in ("pproxy", "uvloop"):
+        return importlib.util.find_spec(kind.program) is not None
     return which(kind.program) is not None
 
 
@@ -478,9 +497,13 @@ class Cell:
         return f"{self.proxy} {'CONNECT' if self.via == 'connect' else 'SOCKS5'}"
 
 
-def cells_for(proxies: dict[str, Proxy], *, socks: bool) -> list[Cell]:
+def cells_for(proxies: dict[str, Proxy], *, socks: bool, forwarding: bool = False) -> list[Cell]:
+    """Direct, then each proxy by CONNECT and (with `socks`) SOCKS5; with
+    `forwarding`, only the proxies that forward plain HTTP."""
     cells = [Cell(None, "direct")]
     for name, proxy in proxies.items():
+        if forwarding and not proxy.forwards:
+            continue
         if proxy.http is not None:
             cells.append(Cell(name, "connect"))
         if socks and proxy.socks is not None:
@@ -764,6 +787,8 @@ def smoke(proxy: Proxy, origins: Origins) -> None:
             continue
         cell = Cell(proxy.name, via)
         measure_throughput(cell, proxy, origins, 1 << 20)
+    if not proxy.forwards:
+        return
     assert proxy.http is not None
     reply = http_get_via(proxy.http, origins.http)
     if not reply.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")):
@@ -810,7 +835,7 @@ def run(params: Params, kinds: list[ProxyKind], workroot: Path, results: Results
         smoke(proxy, origins)
         log(f"started {kind.name} (pid {proxy.pid})")
     tunnel_cells = cells_for(proxies, socks=True)
-    http_cells = cells_for(proxies, socks=False)
+    http_cells = cells_for(proxies, socks=False, forwarding=True)
     size = int(params.gib * GIB)
 
     def of(cell: Cell) -> Proxy | None:
