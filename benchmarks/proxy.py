@@ -75,6 +75,9 @@ RUN_TIMEOUT = 120.0  # no single measurement may take longer
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NOISE_CORES = 0.25  # a sample during which other processes used more CPU than this is redone
 NOISE_RETRIES = 2
+# The reference floor (benchmarks/floor_proxy.py): a row to compare with, never
+# "the best other proxy", since it decides and records nothing.
+FLOOR = "uvloop-floor"
 
 # pproxy 2.7.9 calls uvloop.install() and then asyncio.get_event_loop(), which
 # raises with uvloop >= 0.21 on Python 3.11; this shim gives it a loop, so it
@@ -407,7 +410,7 @@ def start_floor(workdir: Path, origins: Origins) -> Proxy:
         proc = spawn(argv, stderr=err)
     ready = read_json(proc, START_TIMEOUT)
     port = int(ready["http"].rsplit(":", 1)[1])
-    return Proxy("uvloop-floor", proc, port, None, workdir, forwards=False)
+    return Proxy(FLOOR, proc, port, None, workdir, forwards=False)
 
 
 def egressbox_version() -> str:
@@ -462,7 +465,7 @@ KINDS = [
     ),
     ProxyKind("pproxy", "pproxy", start_pproxy, pproxy_version, "no access log (pproxy has none)"),
     ProxyKind(
-        "uvloop-floor",
+        FLOOR,
         "uvloop",
         start_floor,
         lambda: f"benchmarks/floor_proxy.py on uvloop {importlib.metadata.version('uvloop')}",
@@ -1094,7 +1097,7 @@ def checks(results: Results) -> str:
         others = {
             label: summarize(samples, "mb_per_s")
             for label, samples in results.throughput.items()
-            if not label.startswith(("egressbox", "direct"))
+            if not label.startswith(("egressbox", "direct", FLOOR))
         }
         best_label, best = max(others.items(), key=lambda kv: kv[1] or 0, default=("-", None))
         lines.append(

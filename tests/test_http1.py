@@ -1906,7 +1906,7 @@ def random_heads(draw: st.DrawFn) -> bytes:
     return (lead + "\r\n".join([first, *fields]) + ends).encode("latin-1")
 
 
-CONNECT_FIELDS = [
+SHORTCUT_FIELDS = [
     "Host: a.b:443",
     "host: a.b",
     "Host: a.b:0",
@@ -1927,25 +1927,34 @@ CONNECT_FIELDS = [
 
 
 @st.composite
-def connect_heads(draw: st.DrawFn) -> bytes:
-    """CONNECT heads near the edges of the whole-head shortcut's shapes."""
+def shortcut_heads(draw: st.DrawFn) -> bytes:
+    """CONNECT and http:// heads near the edges of the whole-head shortcuts' shapes."""
     host = draw(
-        st.sampled_from(["a.b", "127.0.0.1", "[::1]", "a@b", "", "x%y", "a[b", "a/b"])
+        st.sampled_from(["a.b", "127.0.0.1", "[::1]", "a@b", "", "x%y", "a[b", "a/b", "a?b"])
         | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7F), min_size=1, max_size=8)
     )
     port = draw(st.sampled_from(["443", "0", "65535", "65536", "00443", "", "4x", "99999999"]))
     version = draw(st.sampled_from(["HTTP/1.1", "HTTP/1.0", "HTTP/1.2", "HTTP/2"]))
-    method = draw(st.sampled_from(["CONNECT", "CONNECT", "connect"]))
-    fields = draw(st.lists(st.sampled_from(CONNECT_FIELDS), max_size=5))
+    method = draw(st.sampled_from(["CONNECT", "CONNECT", "connect", "GET", "OPTIONS", "P@ST"]))
+    if draw(st.booleans()):
+        scheme = draw(st.sampled_from(["http://", "http://", "HTTP://", "ws://", "https://"]))
+        authority = host if draw(st.booleans()) else f"{host}:{port}"
+        path = draw(
+            st.sampled_from(["", "/", "/a?b=c", "?q", "/#f", "/caf\xe9", "/a b", "/\x7f", "//x"])
+        )
+        target = scheme + authority + path
+    else:
+        target = f"{host}:{port}"
+    fields = draw(st.lists(st.sampled_from(SHORTCUT_FIELDS), max_size=5))
     if draw(st.booleans()):
         fields = fields + ["X: y"] * (MAX_HEADER_FIELDS - len(fields) + draw(st.integers(0, 1)))
-    lines = [f"{method} {host}:{port} {version}", *fields]
+    lines = [f"{method} {target} {version}", *fields]
     return ("\r\n".join(lines) + "\r\n\r\n" + draw(st.sampled_from(["", "tail"]))).encode("latin-1")
 
 
 @FUZZ
-@given(data=connect_heads(), limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD]))
-def test_whole_head_connect_shortcut_agrees_with_the_line_path(data: bytes, limit: int) -> None:
+@given(data=shortcut_heads(), limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD]))
+def test_whole_head_shortcuts_agree_with_the_line_path(data: bytes, limit: int) -> None:
     assert run_parser(whole(data), limit) == slow_path(data, limit)
 
 

@@ -94,12 +94,17 @@ _CHUNK_LINE_RE = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?
 _STATUS_LINE_RE = re.compile(rb"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
 _REASON_CODE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _CR_OR_LF_RE = re.compile(rb"[\r\n]")
-# The whole-head path's two shortcuts, each matching only text that the general
-# functions accept and turn into the same value (checked by property tests):
-# a CONNECT line whose host has no brackets, colon, userinfo or URL delimiter,
-# and a field block in which every line is `token ":" value CRLF` with no
-# control character but HTAB in the value. Anything else takes the general path.
+# The whole-head path's shortcuts, each matching only text that the general
+# functions accept and turn into the same value (checked by property tests): a
+# CONNECT line, or an `http://` line, whose host has no brackets, colon,
+# userinfo or URL delimiter; and a field block in which every line is
+# `token ":" value CRLF` with no control character but HTAB in the value.
+# Anything else takes the general path.
 _CONNECT_LINE_RE = re.compile(rb"CONNECT ([^\x00-\x20\x7f-\xff/?#@:\[\]]+):([0-9]+) (HTTP/1\.[01])")
+_ABSOLUTE_LINE_RE = re.compile(
+    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (http://([^\x00-\x20\x7f-\xff/?#@:\[\]]+)(?::([0-9]+))?"
+    rb"(/[^\x00-\x20\x7f-\xff#]*)?) (HTTP/1\.[01])"
+)
 _FIELD_LINE = rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)\r\n"
 _FIELD_LINE_RE = re.compile(_FIELD_LINE)
 _FIELD_BLOCK_RE = re.compile(b"(?:" + _FIELD_LINE + b")*")
@@ -344,6 +349,17 @@ def _parse_field_line(line: bytes, fail: Fail) -> tuple[str, str]:
     return name.decode("ascii"), value.strip(b" \t").decode("latin-1")
 
 
+def _plain_fields(data: bytes, start: int, stop: int) -> Fields | None:
+    """The fields of data[start:stop] when every line there is a plain field line
+    (`_FIELD_BLOCK_RE`): what `_parse_field_line` gives for each. Else None."""
+    if not _FIELD_BLOCK_RE.fullmatch(data, start, stop):
+        return None
+    return tuple(
+        (name.decode("ascii"), value.strip(b" \t").decode("latin-1"))
+        for name, value in _FIELD_LINE_RE.findall(data, start, stop)
+    )
+
+
 def _list_items(values: list[str]) -> list[str]:
     """The elements of a comma-separated field (RFC 9110 §5.6.1), empty ones dropped."""
     items = (item.strip(_OWS) for value in values for item in value.split(","))
@@ -476,10 +492,8 @@ class RequestHeadParser:
         line_end = data.find(b"\r\n", 0, end + 2)
         if line_end == 0:
             return None  # a leading empty line: the line path skips it
-        connect = _CONNECT_LINE_RE.fullmatch(data, 0, line_end)
-        if connect is not None:
-            request_line = _connect_line(connect)
-        else:
+        request_line = _plain_request_line(data, line_end)
+        if request_line is None:
             request_line = _parse_request_line(data[:line_end])
         self._request_line = request_line
         head = _build_head(request_line, self._field_block(data, line_end + 2, end + 2))
@@ -491,13 +505,9 @@ class RequestHeadParser:
         """The fields of the CRLF-ended lines in data[start:stop] (none if start >= stop)."""
         if start >= stop:
             return ()
-        if _FIELD_BLOCK_RE.fullmatch(data, start, stop):
-            found = _FIELD_LINE_RE.findall(data, start, stop)
-            if len(found) <= MAX_HEADER_FIELDS:
-                return tuple(
-                    (name.decode("ascii"), value.strip(b" \t").decode("latin-1"))
-                    for name, value in found
-                )
+        fields = _plain_fields(data, start, stop)
+        if fields is not None and len(fields) <= MAX_HEADER_FIELDS:
+            return fields
         for line in data[start : stop - 2].split(b"\r\n"):
             self._on_field_line(line)  # the same checks, one line at a time, in order
         return tuple(self._fields)
@@ -576,14 +586,27 @@ def _parse_request_line(line: bytes) -> _RequestLine:
     return _RequestLine(method, target, version, kind, authority, origin_target)
 
 
-def _connect_line(match: re.Match[bytes]) -> _RequestLine:
-    """What `_parse_request_line` gives for a line `_CONNECT_LINE_RE` matched."""
-    host = match.group(1).decode("ascii")
-    raw_port = match.group(2).decode("ascii")
-    authority = Authority(host, _target_port(raw_port, connect=True))
-    target = f"{host}:{raw_port}"
-    version = match.group(3).decode("ascii")
-    return _RequestLine("CONNECT", target, version, RequestKind.CONNECT, authority, None)
+def _plain_request_line(data: bytes, end: int) -> _RequestLine | None:
+    """What `_parse_request_line` gives for data[:end] when it is a plain CONNECT
+    or `http://` line (see _CONNECT_LINE_RE); else None."""
+    connect = _CONNECT_LINE_RE.fullmatch(data, 0, end)
+    if connect is not None:
+        host, raw_port, version = (part.decode("ascii") for part in connect.groups())
+        authority = Authority(host, _target_port(raw_port, connect=True))
+        target = f"{host}:{raw_port}"
+        return _RequestLine("CONNECT", target, version, RequestKind.CONNECT, authority, None)
+    forward = _ABSOLUTE_LINE_RE.fullmatch(data, 0, end)
+    if forward is None or forward.group(1) == b"CONNECT":
+        return None
+    method, target, host = (part.decode("ascii") for part in forward.group(1, 2, 3))
+    raw_port, path = forward.group(4, 5)
+    port = HTTP_DEFAULT_PORT if raw_port is None else _target_port(raw_port.decode(), False)
+    # RFC 9112 §3.2.4: an empty path is sent as "/", or "*" for OPTIONS.
+    empty = "*" if method == "OPTIONS" else "/"
+    origin = empty if path is None else path.decode("ascii")
+    version = forward.group(6).decode("ascii")
+    authority = Authority(host, port)
+    return _RequestLine(method, target, version, RequestKind.FORWARD, authority, origin)
 
 
 def _interpret_target(method: str, target: str) -> tuple[RequestKind, Authority, str | None]:
@@ -1264,9 +1287,12 @@ class ResponseFramer:
         ):
             self._lines.extend(data)
             return self._advance()
-        lines = data[:end].split(b"\r\n")
-        status = _parse_status_line(lines[0])
-        fields = tuple(_parse_field_line(line, UpstreamResponseError) for line in lines[1:])
+        line_end = data.find(b"\r\n", 0, end + 2)
+        status = _parse_status_line(data[:line_end])
+        fields = _plain_fields(data, line_end + 2, end + 2) if line_end < end else ()
+        if fields is None:
+            lines = data[line_end + 2 : end].split(b"\r\n")
+            fields = tuple(_parse_field_line(line, UpstreamResponseError) for line in lines)
         self._lines.consumed += end + 4
         self._lines.extend(data[end + 4 :])
         event = self._complete_head(status, fields)
