@@ -8,7 +8,6 @@ special-purpose registries, never from `ipaddress.is_global` and friends.
 from __future__ import annotations
 
 import ast
-import inspect
 import ipaddress
 
 import pytest
@@ -30,6 +29,7 @@ from egressbox.addresses import (
     unwrap_mapped,
 )
 from egressbox.errors import Reason
+from sources import source_of
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 V4 = ipaddress.IPv4Address
@@ -304,7 +304,7 @@ def test_forms_python_calls_global_are_never_admitted(text: str) -> None:
 
 
 def test_addresses_does_not_lean_on_ipaddress_predicates() -> None:
-    tree = ast.parse(inspect.getsource(addresses))
+    tree = ast.parse(source_of(addresses))
     predicates = {
         "is_global",
         "is_private",

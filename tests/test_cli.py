@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import egressbox
 from dnsserver import AAAA, A, DnsServer
 from egressbox.cli import main
 
@@ -202,6 +204,20 @@ def test_doctor_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     # os_hardened either enforces everything it wants or names what it refuses.
     hardened = profiles["os_hardened"]
     assert bool(hardened["missing"]) == bool(hardened["refuses"])
+    compiled = egressbox.compiled_core()
+    assert data["proxy_core"].startswith("compiled" if compiled else "interpreted")
+
+
+def test_doctor_says_how_the_core_runs_from_sources(capsys: pytest.CaptureFixture[str]) -> None:
+    env = {**os.environ, egressbox.PURE_ENV: "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "egressbox", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout
+    assert json.loads(out)["proxy_core"] == f"interpreted ({egressbox.PURE_ENV}=1)"
 
 
 def test_module_entry_point_and_help() -> None:

@@ -1974,6 +1974,7 @@ def test_whole_head_fast_path_agrees_on_every_listed_request(raw: bytes) -> None
         assert run_parser(whole(data), limit) == slow_path(data, limit)
 
 
+@pytest.mark.pure_only
 def test_whole_head_fast_path_is_taken_for_a_plain_connect(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_line_path(self: RequestHeadParser) -> None:
         raise AssertionError("the line-by-line path ran")
@@ -2002,6 +2003,7 @@ def test_response_fast_path_agrees_with_the_line_path(data: bytes, limit: int, e
     assert fast == relay(ResponseFramer(client, limit), [data[:1], data[1:]], eof)
 
 
+@pytest.mark.pure_only
 def test_response_fast_path_is_taken_for_a_plain_response(monkeypatch: pytest.MonkeyPatch) -> None:
     framer = ResponseFramer(request())
 

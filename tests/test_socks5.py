@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import hmac
-import inspect
 import ipaddress
 import itertools
 import socket
@@ -43,6 +42,7 @@ from egressbox.protocols.socks5 import (
     Socks5Server,
     looks_like_http,
 )
+from sources import source_of, state_of
 
 USER = "alice"
 PASSWORD = "s3cret-pässword"
@@ -403,7 +403,7 @@ def test_scenario(case: Case, chunker: str, tail: bytes) -> None:
 def test_password_never_leaks(case: Case) -> None:
     server = make_server(case.auth)
     events = server.feed(case.data + PAYLOAD)
-    seen = repr(events) + repr(vars(server)) + server.outgoing().hex()
+    seen = repr(events) + repr(state_of(server)) + server.outgoing().hex()
     for secret in (PASSWORD, PASSWORD.encode().hex(), repr(PASSWORD.encode())):
         assert secret not in seen
 
@@ -582,7 +582,7 @@ def test_longest_partial_messages_stay_bounded(auth: bool, partial: bytes) -> No
 
 
 def test_no_io_imports() -> None:
-    tree = ast.parse(inspect.getsource(socks5))
+    tree = ast.parse(source_of(socks5))
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

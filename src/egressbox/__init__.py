@@ -8,9 +8,54 @@ imports this package before it may import asyncio or dnspython, so importing
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The proxy core may be compiled by mypyc (setup.py): extension modules that
+# sit beside their sources and win the import. EGRESSBOX_PURE=1 loads every
+# egressbox module from its source instead: to rule the compiled core out, or
+# to test an edited source without rebuilding.
+PURE_ENV = "EGRESSBOX_PURE"
+
+
+class _SourceFirst(importlib.abc.MetaPathFinder):
+    """Finds egressbox.* modules as source (or bytecode) files, never extensions."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith("egressbox.") or path is None:
+            return None
+        loaders = [
+            (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
+            (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES),
+        ]
+        for entry in path:
+            spec = importlib.machinery.FileFinder(entry, *loaders).find_spec(fullname, target)
+            if spec is not None:
+                return spec
+        return None
+
+
+if os.environ.get(PURE_ENV) == "1" and not any(
+    isinstance(finder, _SourceFirst) for finder in sys.meta_path
+):
+    sys.meta_path.insert(0, _SourceFirst())
+
+
+def compiled_core() -> bool:
+    """True when the proxy core runs compiled (mypyc), False when interpreted."""
+    from egressbox.protocols import http1
+
+    return not (http1.__file__ or "").endswith(".py")
+
 
 _EXPORTS = {
     "AuditRecord": "egressbox.audit",

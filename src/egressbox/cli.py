@@ -555,15 +555,33 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     support = probe_host()
     profiles = profile_support(support)
+    core = _core_line()
     if args.json:
         data = to_json(support)
         data["profiles"] = profiles
+        data["proxy_core"] = core
         print(json.dumps(data))
         return EXIT_OK
     print(format_table(support))
     print()
     print(_profiles_table(profiles))
+    print()
+    print(f"proxy core: {core}")
     return EXIT_OK
+
+
+def _core_line() -> str:
+    """Whether the proxy core runs compiled, and how to get it if not."""
+    import egressbox
+
+    if egressbox.compiled_core():
+        return "compiled (mypyc)"
+    if os.environ.get(egressbox.PURE_ENV) == "1":
+        return f"interpreted ({egressbox.PURE_ENV}=1)"
+    return (
+        "interpreted: with gcc and the Python headers (Debian: python3-dev) a reinstall"
+        " compiles it, for less CPU per connection"
+    )
 
 
 def profile_support(support: object) -> dict[str, dict[str, object]]:

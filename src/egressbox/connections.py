@@ -83,8 +83,9 @@ class HttpConnection(_Lingering):
             return
         try:
             head = self.parser.feed(data)
-        except http1.BadTargetPortError as exc:
-            self.start(functools.partial(self.bad_port, exc.connect))
+        except http1.BadTargetPortError as port_error:
+            # Its own name: compiled code types a name by its first `except`.
+            self.start(functools.partial(self.bad_port, port_error.connect))
             return
         except http1.HttpError as exc:
             self.state.diagnostic(f"http: refused a malformed request ({exc.status}: {exc})")

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from egressbox.audit import (
     AuditProtocol,
@@ -49,8 +49,8 @@ from egressbox.relay import (
     open_tunnel_with_upstream,
 )
 
-if TYPE_CHECKING:
-    from egressbox.resolve import Resolution, Resolver
+# Imported at run time: compiled dataclasses resolve their field types.
+from egressbox.resolve import Resolution, Resolver
 
 Log = Callable[[str], None]
 RecordCallback = Callable[[AuditRecord], None]

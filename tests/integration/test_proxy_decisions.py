@@ -185,6 +185,7 @@ async def test_denied_plain_request_with_a_body_is_not_parsed_further(
     assert tripwire.connections() == 0
 
 
+@pytest.mark.pure_only
 @pytest.mark.parametrize("listener", ["connect", "http", "socks5"])
 async def test_allowed_destination_that_refuses_the_connection(
     proxy: EgressProxy, origins: Origins, dials: DialGuard, wire: Wire, listener: str
@@ -417,6 +418,7 @@ async def connect_and_echo(
         await wire.close(writer)
 
 
+@pytest.mark.pure_only
 async def test_rebinding_answer_is_decided_again_and_denied(
     start_proxy: StartProxy, origins: Origins, zone: DnsServer, dials: DialGuard, wire: Wire
 ) -> None:
@@ -488,6 +490,7 @@ REPORT_POLICY = {
 }
 
 
+@pytest.mark.pure_only
 async def test_report_mode_lets_name_misses_through_and_keeps_the_address_ban(
     start_proxy: StartProxy,
     origin: HttpOrigin,

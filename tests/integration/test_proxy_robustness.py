@@ -863,6 +863,7 @@ class CachingLoopbackResolver(LoopbackResolver):
         return Resolution((LOOPBACK,), (host,), 60.0, "cache")
 
 
+@pytest.mark.pure_only
 def test_only_a_decision_that_needs_dns_starts_a_task(
     run: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
