@@ -536,7 +536,10 @@ def dials(monkeypatch: pytest.MonkeyPatch) -> Iterator[DialGuard]:
     """Record every dial of the in-process proxy; refuse (and fail on) non-loopback ones.
 
     Test modules that start proxies use it for every test:
-    `pytestmark = pytest.mark.usefixtures("dials")`.
+    `pytestmark = pytest.mark.usefixtures("dials")`. It patches the server's
+    `start_connect`, which a compiled core calls directly: there it records
+    nothing, so the tests that read its records are `pure_only`, and the
+    interpreted pass of scripts/test runs every test with the guard in force.
     """
     guard = DialGuard()
 
