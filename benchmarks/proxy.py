@@ -419,7 +419,10 @@ def egressbox_version() -> str:
     dirty = command_output(["git", "-C", str(HERE), "status", "--porcelain", "--", "../src"])
     if re.fullmatch(r"[0-9a-f]{7,}", rev):
         version += f" (git {rev}{' + uncommitted changes' if dirty else ''})"
-    return version
+    core = command_output(
+        [sys.executable, "-c", "import egressbox; print(egressbox.compiled_core())"]
+    )
+    return version + (", compiled core" if core == "True" else ", interpreted core")
 
 
 def pproxy_version() -> str:
