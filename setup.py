@@ -2,7 +2,7 @@
 
 The modules below are plain, typed Python (mypy --strict) that mypyc turns
 into C extensions: the same code, about a fifth less CPU per short tunnel and
-a third less per plain-HTTP request (benchmarks/README.md). Everything else
+half as much per plain-HTTP request (benchmarks/README.md). Everything else
 stays interpreted. Set EGRESSBOX_COMPILE=0 for a pure-Python build; without a
 C compiler or the Python headers the build falls back to pure Python and says
 so (`egressbox doctor` shows which one is installed).
