@@ -10,6 +10,7 @@ so (`egressbox doctor` shows which one is installed).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -34,18 +35,16 @@ COMPILED = [
 
 
 class OptionalBuildExt(build_ext):
-    """A failed compile leaves a working pure-Python install, with a warning."""
+    """A failed compile leaves a working pure-Python install, with one warning."""
 
     def run(self) -> None:
         try:
             super().run()
         except Exception as exc:  # any compiler failure
-            _warn(exc)
-
-    def build_extension(self, ext: object) -> None:
-        try:
-            super().build_extension(ext)  # type: ignore[arg-type]
-        except Exception as exc:
+            # All or nothing: a module's stub cannot load without the group library.
+            for path in self.get_outputs():
+                with contextlib.suppress(OSError):
+                    os.remove(path)
             _warn(exc)
 
 
