@@ -322,16 +322,24 @@ def start_egressbox(workdir: Path, origins: Origins, workers: int = 1) -> Proxy:
     argv += ["--audit-log", str(workdir / "audit.jsonl"), "--quiet"]
     if workers > 1:
         argv += ["--workers", str(workers)]
+    proc, ports = start_with_ready_line(argv, workdir)
+    name = "egressbox" if workers == 1 else f"egressbox-w{workers}"
+    return Proxy(name, proc, ports["http"], ports["socks5"], workdir)
+
+
+def start_with_ready_line(
+    argv: list[str], workdir: Path
+) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """Start a proxy that prints a JSON ready line of `"name": "HOST:PORT"` listeners."""
     with open(workdir / "stderr.log", "wb") as err:
         proc = spawn(argv, stderr=err)
     ready = read_json(proc, START_TIMEOUT)
-    return Proxy(
-        "egressbox" if workers == 1 else f"egressbox-w{workers}",
-        proc,
-        int(ready["http"].rsplit(":", 1)[1]),
-        int(ready["socks5"].rsplit(":", 1)[1]),
-        workdir,
-    )
+    ports = {
+        name: int(value.rsplit(":", 1)[1])
+        for name, value in ready.items()
+        if isinstance(value, str) and value.startswith(f"{HOST}:")
+    }
+    return proc, ports
 
 
 def start_squid(workdir: Path, origins: Origins) -> Proxy:
@@ -405,12 +413,8 @@ def start_pproxy(workdir: Path, origins: Origins) -> Proxy:
 
 def start_floor(workdir: Path, origins: Origins) -> Proxy:
     """benchmarks/floor_proxy.py: CONNECT and relay only, nothing decided or recorded."""
-    argv = [sys.executable, str(HERE / "floor_proxy.py")]
-    with open(workdir / "stderr.log", "wb") as err:
-        proc = spawn(argv, stderr=err)
-    ready = read_json(proc, START_TIMEOUT)
-    port = int(ready["http"].rsplit(":", 1)[1])
-    return Proxy(FLOOR, proc, port, None, workdir, forwards=False)
+    proc, ports = start_with_ready_line([sys.executable, str(HERE / "floor_proxy.py")], workdir)
+    return Proxy(FLOOR, proc, ports["http"], None, workdir, forwards=False)
 
 
 def egressbox_version() -> str:
