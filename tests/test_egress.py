@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from egressbox.decide import Decision, SelfEndpoints
-from egressbox.egress import Pending, check, check_now
+from egressbox.egress import Pending, check, check_now, recheck
 from egressbox.errors import Reason, ResolveError, Verdict
 from egressbox.hosts import INVALID_HOST_TEXT
 from egressbox.policy import Policy, parse_policy
@@ -533,3 +533,42 @@ def test_a_name_is_memoized_only_while_its_cached_answer_stays() -> None:
 def _decided(result: Decision | Pending) -> Decision:
     assert isinstance(result, Decision)
     return result
+
+
+# -- recheck: an open connection judged again ---------------------------------------------
+
+
+async def test_recheck_agrees_with_a_fresh_decision_on_the_same_answer() -> None:
+    resolver = FakeResolver({"pypi.org": [PUBLIC_V4, PUBLIC_V6]})
+    policy = make_policy(allow=["pypi.org:443"], deny_cidrs=METADATA)
+    fresh = await check(policy, resolver, "pypi.org", 443)
+    again = recheck(policy, fresh.host, fresh.port, fresh.addresses)
+    assert again == fresh
+    assert resolver.queries == ["pypi.org"]  # recheck asked nothing
+
+
+@pytest.mark.parametrize(
+    ("egress", "reason"),
+    [
+        ({"allow": ["files.pythonhosted.org:443"]}, Reason.NO_ALLOW_RULE),
+        ({"allow": ["pypi.org:443"], "deny": ["pypi.org"]}, Reason.DENY_RULE),
+        ({"allow": ["pypi.org:443"], "deny_cidrs": [f"{PUBLIC_V6}/128"]}, Reason.DENY_CIDR),
+    ],
+    ids=["no-rule", "deny-entry", "deny-cidr-on-one-address"],
+)
+def test_recheck_under_a_new_policy_judges_the_admitted_addresses(
+    egress: dict[str, Any], reason: Reason
+) -> None:
+    addresses = (ip(PUBLIC_V4), ip(PUBLIC_V6))
+    assert recheck(make_policy(allow=["pypi.org:443"]), "pypi.org", 443, addresses).allowed
+    decision = recheck(make_policy(**egress), "pypi.org", 443, addresses)
+    assert (decision.verdict, decision.reason) == (Verdict.DENY, reason)
+
+
+def test_recheck_keeps_report_mode_and_self_connections() -> None:
+    report = make_policy(allow=[], mode="report")
+    assert recheck(report, "pypi.org", 443, (ip(PUBLIC_V4),)).verdict is Verdict.WOULD_DENY
+    own = make_policy(allow=["127.0.0.1"], allow_cidrs=["127.0.0.1/32"])
+    decision = recheck(own, "127.0.0.1", 8080, (ip("127.0.0.1"),), self_endpoints=LISTENERS)
+    assert decision.reason is Reason.SELF_CONNECTION
+    assert recheck(None, "pypi.org", 443, (ip(PUBLIC_V4),)).reason is Reason.NO_POLICY

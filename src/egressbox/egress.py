@@ -10,11 +10,14 @@ when no DNS query is needed (an IP literal, a name the rules deny, a name the
 resolver answers from its cache or the hosts file), and otherwise a `Pending`
 whose `finish()` does the query and the rest. `check()` is `check_now()` plus
 `finish()`, so both paths decide alike.
+
+`recheck()` judges a connection that is already open again (a policy swap
+with close_denied): the same rules on the addresses it was admitted with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from egressbox.decide import (
@@ -29,6 +32,7 @@ from egressbox.decide import (
     parse_target,
 )
 from egressbox.errors import HostError, ResolveError
+from egressbox.hosts import IPAddress
 from egressbox.policy import Policy
 
 if TYPE_CHECKING:
@@ -168,3 +172,31 @@ async def check(
     if isinstance(decided, Pending):
         return await decided.finish()
     return decided
+
+
+def recheck(
+    policy: Policy | None,
+    host: str,
+    port: int | str,
+    addresses: Sequence[IPAddress],
+    *,
+    self_endpoints: SelfEndpoints = NO_SELF,
+) -> Decision:
+    """The decision for a connection already open to `addresses`, under `policy`.
+
+    The name rules, then the addresses the connection was admitted with, judged
+    as check() judges a fresh answer; but no DNS query, no memo and no audit
+    record (the connection was audited when it was decided; the caller closes
+    what no longer passes: EgressProxy.close_denied). The CNAME chain is not
+    kept with a connection, so a deny entry that names only an alias is not
+    seen here.
+    """
+    try:
+        target = parse_target(host, port)
+    except HostError as exc:
+        return bad_target(exc, port)
+    named = decide_name(policy, target)
+    if isinstance(named, Decision):
+        return named
+    assert policy is not None  # decide_name returns a Decision without a policy
+    return decide_addresses(policy, named, addresses, self_endpoints=self_endpoints)

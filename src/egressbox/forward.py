@@ -46,6 +46,7 @@ from egressbox.dial import DialError, Dialing, start_connect
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.protocols import http1
 from egressbox.replies import dial_http_status, http_status
+from egressbox.server import OpenTarget
 
 if TYPE_CHECKING:
     from egressbox.connections import HttpConnection
@@ -139,6 +140,7 @@ def start_forwarding(conn: HttpConnection, head: http1.RequestHead, trailing: by
     conn.cancel_timer()
     transport.pause_reading()  # the forwarder resumes it when it wants bytes
     forwarder = Forwarder(conn, transport)
+    conn.state.forwarders.add(forwarder)
     transport.set_protocol(forwarder)
     forwarder.begin(head, trailing)
 
@@ -232,6 +234,22 @@ class Forwarder(asyncio.Protocol):
             self.upstream.close()
             self.upstream = None
         self.state.connections.discard(self.conn)
+        self.state.forwarders.discard(self)
+
+    def target(self) -> OpenTarget | None:
+        """What this connection is connected or being connected to (close_denied)."""
+        protocol = self.conn.protocol_name
+        upstream, decision = self.upstream, self.decision
+        if upstream is not None and upstream.address is not None:
+            # A kept connection outlives its request's decision: judge its one address.
+            return OpenTarget(protocol, upstream.host, upstream.port, (upstream.address,))
+        if self.dialing is not None and decision is not None:
+            return OpenTarget(protocol, decision.host, decision.port, decision.addresses)
+        return None
+
+    def abort(self) -> None:
+        """Abort both connections (close_denied: the policy no longer admits the target)."""
+        self._end()
 
     def pause_writing(self) -> None:
         self.client_blocked = True

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import NamedTuple, Protocol, cast
 
 from egressbox.audit import (
     AuditProtocol,
@@ -36,7 +36,7 @@ from egressbox.audit import (
 )
 from egressbox.decide import Decision, SelfEndpoints, bad_target, deny, parse_target
 from egressbox.dial import DialError, Dialing, start_connect
-from egressbox.egress import Pending, check_now
+from egressbox.egress import Pending, check_now, recheck
 from egressbox.errors import AuditError, HostError, Reason
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.limits import Limits
@@ -61,6 +61,24 @@ Credentials = Callable[[str, str], bool]
 LISTEN_BACKLOG = 1024
 
 
+class OpenTarget(NamedTuple):
+    """What an open connection is connected (or being connected) to, as decided:
+    for EgressProxy.close_denied to judge again."""
+
+    protocol: AuditProtocol
+    host: str
+    port: int
+    addresses: tuple[IPAddress, ...]  # the checked addresses it was admitted with
+
+
+class Held(Protocol):
+    """An open connection that close_denied() can judge again and close."""
+
+    def target(self) -> OpenTarget | None: ...
+
+    def abort(self) -> None: ...
+
+
 def stderr_log(line: str) -> None:
     # stderr only: stdout carries nothing but the ready line (and records on request).
     sys.stderr.write(f"egressbox: {line}\n")
@@ -81,7 +99,10 @@ class ProxyState:
     self_endpoints: SelfEndpoints = field(default_factory=SelfEndpoints)
     audit_error: str | None = None
     connections: set[Connection] = field(default_factory=set)
-    tunnels: set[Tunnel] = field(default_factory=set)
+    # Open tunnels, each with its done callback, which knows its target.
+    tunnels: dict[Tunnel, _TunnelEnd] = field(default_factory=dict)
+    # Plain HTTP forwarding connections (forward.Forwarder), for close_denied.
+    forwarders: set[Held] = field(default_factory=set)
     accepting: bool = True
     # Connections the descriptor limit leaves room for (see fd_capacity).
     fd_capacity: int = 1 << 62
@@ -163,6 +184,7 @@ class Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
         self.dialing: Dialing | None = None
+        self.dialed: Decision | None = None  # what `dialing` was admitted by
         self.over_limit = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -191,6 +213,13 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+    def target(self) -> OpenTarget | None:
+        """The target of a dial in flight (after it, the tunnel answers for it)."""
+        decision = self.dialed
+        if self.dialing is None or decision is None:
+            return None
+        return OpenTarget(self.protocol_name, decision.host, decision.port, decision.addresses)
 
     def abort(self) -> None:
         if self.task is not None:
@@ -256,6 +285,7 @@ class Connection(asyncio.Protocol):
         state = self.state
         loop = state.event_loop()
         tunnel = new_tunnel(idle_timeout=state.limits.idle_timeout, loop=loop)
+        self.dialed = decision
         self.dialing = start_connect(
             decision.addresses,
             decision.port,
@@ -273,7 +303,7 @@ class Connection(asyncio.Protocol):
         upstream: asyncio.Transport | None,
         error: DialError | None,
     ) -> None:
-        self.dialing = None
+        self.dialing = self.dialed = None
         try:
             if upstream is None:
                 assert error is not None
@@ -307,11 +337,10 @@ class Connection(asyncio.Protocol):
         # The relay has the client's transport now (our connection_lost will
         # not run): count it as a tunnel in the same step.
         state.connections.discard(self)
-        state.tunnels.add(tunnel)
+        _watch_tunnel(state, tunnel, self.protocol_name, decision)
         # Nothing of this Connection may stay reachable from the tunnel (idle
         # tunnel memory), and the tunnel must not keep it alive either.
         self.transport = None
-        _watch_tunnel(state, tunnel, self.protocol_name, decision)
 
     def refuse(self, decision: Decision) -> None:
         """Answer a denied decision and close (the listener's own reply)."""
@@ -393,15 +422,18 @@ def _soft_nofile() -> int:
 def _watch_tunnel(
     state: ProxyState, tunnel: Tunnel, protocol: AuditProtocol, decision: Decision
 ) -> None:
-    """Untrack the tunnel and log its one diagnostic line when it ends."""
-    tunnel.done.add_done_callback(_TunnelEnd(state, tunnel, protocol, decision))
+    """Track the tunnel; untrack it and log its one diagnostic line when it ends."""
+    end = _TunnelEnd(state, tunnel, protocol, decision)
+    state.tunnels[tunnel] = end
+    tunnel.done.add_done_callback(end)
 
 
 class _TunnelEnd:
     """The tunnel's done callback. The fields, not the Decision (nor prebuilt
-    text), wait with an idle tunnel; the line is built only if someone reads it."""
+    text), wait with an idle tunnel; the line is built only if someone reads it.
+    They also tell close_denied() what the tunnel is connected to."""
 
-    __slots__ = ("host", "port", "protocol", "reason", "state", "tunnel", "verdict")
+    __slots__ = ("addresses", "host", "port", "protocol", "reason", "state", "tunnel", "verdict")
 
     def __init__(
         self, state: ProxyState, tunnel: Tunnel, protocol: AuditProtocol, decision: Decision
@@ -413,10 +445,15 @@ class _TunnelEnd:
         self.port = decision.port
         self.verdict = decision.verdict
         self.reason = decision.reason
+        # The decision's own tuple (no copy): the addresses the dial chose from.
+        self.addresses = decision.addresses
+
+    def target(self) -> OpenTarget:
+        return OpenTarget(self.protocol, self.host, self.port, self.addresses)
 
     def __call__(self, done: asyncio.Future[RelayStats]) -> None:
         state = self.state
-        state.tunnels.discard(self.tunnel)
+        state.tunnels.pop(self.tunnel, None)
         if state.log is None:
             return
         stats = done.result()
@@ -505,6 +542,9 @@ class EgressProxy:
             for kind, factory in factories.items():
                 for sock in self._sockets(kind):
                     await self._serve(kind, sock, factory)
+        except GeneratorExit:
+            self.abort()  # the coroutine is being finalized: nothing may be awaited
+            raise
         except BaseException:
             await self.close(0)
             raise
@@ -548,15 +588,31 @@ class EgressProxy:
         deadline = time.monotonic() + timeout
         while (state.connections or state.tunnels) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for conn in list(state.connections):
-            conn.abort()
-        for tunnel in list(state.tunnels):
-            tunnel.abort()
+        self.abort()
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
         await asyncio.sleep(0)  # let aborted transports run connection_lost
         self._servers.clear()
+
+    def abort(self) -> None:
+        """Stop accepting and abort every connection at once, awaiting nothing.
+
+        For a caller that cannot await (a run torn down while its event loop
+        closes: then each step is best effort); close() is the orderly way.
+        """
+        state = self.state
+        state.accepting = False
+        # A closed loop refuses to schedule the transports' callbacks: go on.
+        for server in self._servers:
+            with contextlib.suppress(RuntimeError):
+                server.close()
+        for conn in list(state.connections):
+            with contextlib.suppress(RuntimeError):
+                conn.abort()
+        for tunnel in list(state.tunnels):
+            with contextlib.suppress(RuntimeError):
+                tunnel.abort()
 
     async def __aenter__(self) -> EgressProxy:
         await self.start()
@@ -567,11 +623,13 @@ class EgressProxy:
 
     # -- views and controls --------------------------------------------------------
 
-    def set_policy(self, policy: Policy) -> None:
+    def set_policy(self, policy: Policy, *, close_denied: bool = False) -> int:
         """Swap the policy atomically: connections decided from now on use it.
 
         Its [limits] apply to new connections; its [dns] settings replace the
-        resolver unless the caller supplied one.
+        resolver unless the caller supplied one. With `close_denied`, open
+        connections it would not admit are closed too (see close_denied());
+        returns how many were closed.
         """
         state = self.state
         old = state.policy
@@ -579,6 +637,47 @@ class EgressProxy:
             state.resolver = default_resolver(policy)
         state.limits = policy.limits
         state.policy = policy
+        return self.close_denied() if close_denied else 0
+
+    def close_denied(self) -> int:
+        """Abort every open tunnel, forwarding connection and dial in flight that the
+        current policy would not admit now; return how many.
+
+        Each is judged with egress.recheck on the target and addresses it was
+        admitted with: the rules of a new decision, without DNS and without an
+        audit record (its own decision was audited). A decision still waiting
+        for its DNS answer finishes under the policy it started with; a later
+        close_denied() sees what it opened.
+        """
+        state = self.state
+        closed = 0
+        held: list[Held] = [*state.connections, *state.forwarders]
+        for tunnel, end in list(state.tunnels.items()):
+            if not self._admits(end.target()):
+                tunnel.abort()
+                closed += 1
+        for item in held:
+            target = item.target()
+            if target is not None and not self._admits(target):
+                item.abort()
+                closed += 1
+        return closed
+
+    def _admits(self, target: OpenTarget) -> bool:
+        state = self.state
+        decision = recheck(
+            state.policy,
+            target.host,
+            target.port,
+            target.addresses,
+            self_endpoints=state.self_endpoints,
+        )
+        if not decision.allowed and state.log is not None:
+            state.diagnostic(
+                f"{target.protocol} {format_authority(target.host, target.port)} closed:"
+                f" the policy now denies it ({decision.reason.value})"
+            )
+        return decision.allowed
 
     @property
     def policy(self) -> Policy | None:
