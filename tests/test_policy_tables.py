@@ -492,6 +492,7 @@ def test_process_roots_are_granted_but_hold_no_scratch_space(tmp_path: Path) -> 
         process_write_roots=(str(cache),),
         process_read_roots=(str(tools),),
         base_env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        allow_direct_network=True,  # planning only: nothing runs
     )
     prepared = prepare(options, HostFacts(frozenset()))
     plan = prepared.plan

@@ -1100,12 +1100,14 @@ def test_outside_is_exact_near_the_allowed_values() -> None:
 def test_compiled_program_is_cached_and_enforces(tmp_path: Path) -> None:
     # `egressbox run` loads the filter as a cached BPF program (no pyseccomp
     # import in the launcher): the cache round-trips and the program enforces.
-    from egressbox.confine.seccomp import cached_filter, load_program
+    from egressbox.confine import cache
+    from egressbox.confine.seccomp import compile_filter, load_program
 
-    first = cached_filter(str(tmp_path))
+    first = compile_filter()
     assert first.program and first.status is Status.FULL
-    assert cached_filter(str(tmp_path)).program == first.program
-    assert list(tmp_path.iterdir())
+    stored = str(tmp_path / "cache" / "program")
+    cache.write(stored, first.program)
+    assert cache.read(stored) == first.program
 
     def probe() -> object:
         load_program(first.program)

@@ -49,9 +49,7 @@ from egressbox.errors import AuditError, PolicyError, Reason, Verdict
 if TYPE_CHECKING:
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
+from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 STDIN = "-"
 # Malformed lines reported one by one on stderr; the rest are only counted, so that a

@@ -11,27 +11,21 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 from egressbox import __version__
-from egressbox.errors import EgressboxError, HostError, PolicyError
+from egressbox.errors import EgressboxError, HostError, PolicyError, print_policy_error
+from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 if TYPE_CHECKING:
     from egressbox.decide import Decision
     from egressbox.policy import Policy
-    from egressbox.resolve import DnsResolver
 
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 # The policy module (and idna, tomllib) is imported only where a command
 # needs it: `egressbox run` loads the policy while the launcher starts.
 ENV_ALLOW = "EGRESSBOX_ALLOW"
-ENV_DENY = "EGRESSBOX_DENY"
-
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
-EXIT_START = 3
 EXPLAIN_DEFAULT_PORT = 443
 
 DESCRIPTION = """\
@@ -234,6 +228,29 @@ def _add_run(sub: Subparsers) -> None:
         help="let the command run and reach its own servers on its private lo",
     )
     p.add_argument(
+        "--unix-socket-root",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="make the unix sockets under PATH reachable (read-only; repeatable; added to "
+        "[filesystem] unix_socket_roots); no other host socket exists for the command",
+    )
+    p.add_argument(
+        "--writable-trusted",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="let the command write PATH although the host trusts it (.git/hooks, "
+        ".git/config, .envrc, shell start-up and editor task files are read-only by "
+        "default; repeatable; added to [filesystem] writable_trusted)",
+    )
+    p.add_argument(
+        "--allow-direct-network",
+        action="store_true",
+        help="run even where neither a network namespace nor Landlock TCP rules can hold "
+        "the command to the proxy (its network is then unconfined)",
+    )
+    p.add_argument(
         "--pass-fd",
         action="append",
         type=int,
@@ -367,14 +384,6 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return audit_cli.run(args)
 
 
-def print_policy_error(exc: PolicyError, out: TextIO) -> None:
-    count = len(exc.problems)
-    where = exc.source or "policy"
-    print(f"{where}: {count} problem{'s' if count != 1 else ''}:", file=out)
-    for problem in exc.problems:
-        print(f"  {problem}", file=out)
-
-
 # -- check ---------------------------------------------------------------------------
 
 
@@ -407,17 +416,6 @@ def _summary(policy: Policy) -> str:
 # -- explain -------------------------------------------------------------------------
 
 
-def load_cli_policy(path: str | None) -> Policy | None:
-    """The policy of a command: the file plus environment overrides, or none at all."""
-    from egressbox.policy import load_policy, parse_policy
-
-    if path is not None:
-        return load_policy(path)
-    if os.environ.get(ENV_ALLOW) or os.environ.get(ENV_DENY):
-        return parse_policy({}, source="environment")
-    return None
-
-
 def split_target(text: str) -> tuple[str, str | int]:
     """`HOST[:PORT]` for explain; a bare IPv6 address is accepted without brackets."""
     try:
@@ -432,9 +430,10 @@ def split_target(text: str) -> tuple[str, str | int]:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from egressbox.egress import check
-    from egressbox.resolve import parse_nameserver
+    from egressbox.policy import load_policy_or_environment
+    from egressbox.resolve import parse_nameserver, resolver_for
 
-    policy = load_cli_policy(args.policy)
+    policy = load_policy_or_environment(args.policy)
     from egressbox.policy import Mode
 
     if policy is not None and policy.mode is Mode.REPORT:
@@ -444,30 +443,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"egressbox: --nameserver: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    resolver = make_resolver(policy, servers)
+    resolver = resolver_for(policy, servers)
     host, port = split_target(args.target)
     import asyncio
 
     decision = asyncio.run(check(policy, resolver, host, port))
     print(_explain_json(decision) if args.json else _explain_text(decision))
     return EXIT_OK
-
-
-def make_resolver(policy: Policy | None, servers: list[tuple[str, int]]) -> DnsResolver:
-    """The resolver a command uses: --nameserver wins over [dns] nameservers."""
-    from egressbox.resolve import DnsResolver
-
-    settings = policy.dns if policy is not None else None
-    if not servers and settings is not None and settings.nameservers:
-        servers = [(str(ip), port) for ip, port in settings.nameservers]
-    if settings is None:
-        return DnsResolver(servers or None)
-    return DnsResolver(
-        servers or None,
-        timeout=settings.timeout,
-        cache_size=settings.cache_size,
-        max_ttl=settings.max_ttl,
-    )
 
 
 def _ip_texts(decision: Decision) -> list[str]:

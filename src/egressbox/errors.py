@@ -8,6 +8,10 @@ diagnostics all carry the same stable snake_case values, so never rename one.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import TextIO
 
 
 class Reason(StrEnum):
@@ -72,3 +76,12 @@ class ResolveError(EgressboxError):
 
 class AuditError(EgressboxError):
     """An audit record could not be written or read."""
+
+
+def print_policy_error(exc: PolicyError, out: TextIO) -> None:
+    """Every problem of a policy, one per line under the file's name (for a person)."""
+    count = len(exc.problems)
+    where = exc.source or "policy"
+    out.write(f"{where}: {count} problem{'s' if count != 1 else ''}:\n")
+    for problem in exc.problems:
+        out.write(f"  {problem}\n")

@@ -74,6 +74,8 @@ class ProcessSettings:
     timeout: float | None = None
     rlimit_nofile: int | None = None
     rlimit_as: int | None = None
+    max_processes: int | None = None  # tasks in the child's PID namespace
+    max_memory: int | None = None  # bytes of data per process (RLIMIT_DATA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,10 @@ class FilesystemSettings:
     # workspaces: no default cwd, TMPDIR, caches or scratch directory there.
     process_read_roots: tuple[str, ...] = ()
     process_write_roots: tuple[str, ...] = ()
+    # Directories whose unix sockets the child may connect to (nothing else is there).
+    unix_socket_roots: tuple[str, ...] = ()
+    # Host-trusted paths inside a writable root that the child may write after all.
+    writable_trusted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +152,10 @@ class Policy:
 
 EGRESS_KEYS = ("allow", "deny", "allow_cidrs", "deny_cidrs", "allow_private", "mode")
 DNS_KEYS = ("nameservers", "timeout", "cache_size", "max_ttl")
-PROCESS_KEYS = ("profile", "timeout", "rlimit_nofile", "rlimit_as")
+PROCESS_KEYS = ("profile", "timeout", "rlimit_nofile", "rlimit_as", "max_processes", "max_memory")
+# max_processes: the kernel refuses a PID namespace's pid_max below 301 (PID_MAX_MIN).
+MAX_PROCESSES_BOUNDS = (300, 4194303)
+MIN_MAX_MEMORY = 64 * 1024 * 1024
 FILESYSTEM_KEYS = (
     "read_roots",
     "write_roots",
@@ -154,6 +163,8 @@ FILESYSTEM_KEYS = (
     "deny",
     "process_read_roots",
     "process_write_roots",
+    "unix_socket_roots",
+    "writable_trusted",
 )
 ENV_KEYS = ("policy", "grant")
 TOP_KEYS = ("egress", "dns", "limits", "process", "filesystem", "env")
@@ -512,11 +523,34 @@ class _Parser:
             unit="bytes (64 MiB)",
             example="rlimit_as = 4294967296 for 4 GiB",
         )
+        low, high = MAX_PROCESSES_BOUNDS
+        processes = self.optional_number(
+            table,
+            "max_processes",
+            "process",
+            kind=int,
+            minimum=low,
+            maximum=high,
+            unit="tasks (processes and threads)",
+            example="max_processes = 4096",
+        )
+        memory = self.optional_number(
+            table,
+            "max_memory",
+            "process",
+            kind=int,
+            minimum=MIN_MAX_MEMORY,
+            maximum=None,
+            unit="bytes (64 MiB)",
+            example="max_memory = 8589934592 for 8 GiB",
+        )
         return ProcessSettings(
             profile=profile,
             timeout=None if timeout is None else float(timeout),
             rlimit_nofile=None if nofile is None else int(nofile),
             rlimit_as=None if address_space is None else int(address_space),
+            max_processes=None if processes is None else int(processes),
+            max_memory=None if memory is None else int(memory),
         )
 
     def filesystem(self, table: Mapping[str, Any]) -> FilesystemSettings:
@@ -544,6 +578,8 @@ class _Parser:
             deny=self.paths(table, "deny"),
             process_read_roots=process_read,
             process_write_roots=process_write,
+            unix_socket_roots=self.paths(table, "unix_socket_roots"),
+            writable_trusted=self.paths(table, "writable_trusted"),
         )
 
     def not_workspaces(
@@ -771,3 +807,12 @@ def _close_match(word: str, choices: Sequence[str]) -> list[str]:
     import difflib  # only on a mistake
 
     return difflib.get_close_matches(word, choices, n=1)
+
+
+def load_policy_or_environment(path: str | None) -> Policy | None:
+    """The policy of a command: the file plus environment overrides, or none at all."""
+    if path is not None:
+        return load_policy(path)
+    if os.environ.get(ENV_ALLOW) or os.environ.get(ENV_DENY):
+        return parse_policy({}, source="environment")
+    return None

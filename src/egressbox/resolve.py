@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import dns.asyncresolver
 import dns.exception
@@ -36,6 +36,9 @@ import dns.resolver
 from egressbox.errors import Reason, ResolveError
 from egressbox.limits import DNS_CACHE_SIZE, DNS_MAX_TTL
 from egressbox.limits import DNS_TIMEOUT as _LIMITS_DNS_TIMEOUT
+
+if TYPE_CHECKING:
+    from egressbox.policy import Policy
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -560,3 +563,18 @@ def _server_errors(error: dns.resolver.NoNameservers) -> list[str]:
         else:
             parts.append(f"{where}: {problem or type(problem).__name__}")
     return parts or ["no DNS server could answer"]
+
+
+def resolver_for(policy: Policy | None, servers: list[tuple[str, int]]) -> DnsResolver:
+    """The resolver a command uses: --nameserver wins over [dns] nameservers."""
+    settings = policy.dns if policy is not None else None
+    if not servers and settings is not None and settings.nameservers:
+        servers = [(str(ip), port) for ip, port in settings.nameservers]
+    if settings is None:
+        return DnsResolver(servers or None)
+    return DnsResolver(
+        servers or None,
+        timeout=settings.timeout,
+        cache_size=settings.cache_size,
+        max_ttl=settings.max_ttl,
+    )

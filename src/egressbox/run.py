@@ -33,7 +33,7 @@ from egressbox.confine.env import (
     proxy_variables,
 )
 from egressbox.confine.executable import CommandNotFoundError, resolve_command
-from egressbox.confine.launcher import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND, LaunchPlan
+from egressbox.confine.launcher import LaunchPlan
 from egressbox.confine.plan import (
     ADMIT_HINT,
     CREDENTIALS,
@@ -46,21 +46,23 @@ from egressbox.confine.plan import (
     Refusal,
     choose_mechanisms,
     expand_user,
+    host_trusted,
     is_under,
     plan_filesystem,
     strictest,
     wanted,
 )
+from egressbox.confine.world import WorldSpec
 from egressbox.errors import EgressboxError
-from egressbox.stderr_tee import DRAIN_TIMEOUT, FINAL_READS, StderrTee
+from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND, EXIT_TIMEOUT
+from egressbox.stderr_tee import DRAIN_TIMEOUT, FINAL_READS, StderrTee, TerminalRelay, open_stdio
 
 if TYPE_CHECKING:
     from egressbox.audit import AuditRecord, AuditSink
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord
     from egressbox.policy import Policy, RunSettings
+    from egressbox.server import EgressProxy
 
-# Directories hidden behind a private tmpfs in the child's mount namespace.
-HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
 # How long the launcher may take to bind its listeners (measured: 34-50 ms).
 LAUNCHER_TIMEOUT = 10.0
 SCRATCH_DIR = ".egressbox"
@@ -68,8 +70,10 @@ ENV_SANDBOX = "EGRESSBOX_SANDBOX"
 ENV_PROFILE = "EGRESSBOX_PROFILE"
 # --timeout: the run's exit code when it expires (as coreutils timeout), and
 # how long the command has after SIGTERM before it is killed.
-EXIT_TIMEOUT = 124
 KILL_GRACE = 5.0
+# Tasks (processes and threads) in the child's PID namespace: a fork bomb stops there, and a
+# parallel build (cargo -j, a test runner's workers) stays far below it.
+DEFAULT_MAX_PROCESSES = 4096
 
 
 def __getattr__(name: str) -> Any:
@@ -84,9 +88,10 @@ def __getattr__(name: str) -> Any:
 class RunRefusedError(EgressboxError):
     """Confinement the profile requires is unavailable (exit 126)."""
 
-    def __init__(self, refusals: Sequence[Refusal]) -> None:
+    def __init__(self, refusals: Sequence[Refusal], *, message: str = "") -> None:
         self.refusals = list(refusals)
-        super().__init__("; ".join(r.message() for r in self.refusals))
+        self.messages = [r.message() for r in self.refusals] + ([message] if message else [])
+        super().__init__("; ".join(self.messages))
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,16 @@ class RunOptions:
     # Granted to the command's tools (caches, state), never treated as workspaces.
     process_read_roots: tuple[str, ...] = ()
     process_write_roots: tuple[str, ...] = ()
+    # Directories whose unix sockets exist for the child (read-only binds).
+    unix_socket_roots: tuple[str, ...] = ()
+    # Files the host trusts (the policy file, the audit log): read-only or absent for the child.
+    trusted_files: tuple[str, ...] = ()
+    # Host-trusted paths in a writable root (HOST_TRUSTED) the child may write after all.
+    writable_trusted: tuple[str, ...] = ()
+    max_processes: int | None = DEFAULT_MAX_PROCESSES
+    max_memory: int | None = None  # None: half the host's memory, per process
+    # A run whose network boundary would be `none` refuses unless this is set.
+    allow_direct_network: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,7 @@ ROOT_DETAIL = {
     "process_write": "read+write, for the command's tools; not a workspace (no TMPDIR, "
     "caches or scratch directory)",
     "executable": "read+execute: the command, its interpreter or venv",
+    "unix_socket": "read-only; its unix sockets may be connected to",
 }
 
 
@@ -149,6 +165,7 @@ class RunResult:
     stderr: bytes | None = None
     warnings: list[str] = field(default_factory=list)
     roots: list[RootReport] = field(default_factory=list)
+    created_trusted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -162,6 +179,9 @@ class Prepared:
     warnings: list[str] = field(default_factory=list)
     homes: tuple[str, ...] = ()  # the caller's home and the child's, for refusal records
     roots: list[RootReport] = field(default_factory=list)
+    profile: Profile = Profile.WORKSPACE_PATHS
+    # Host-trusted paths absent before the run: one that appears was made by the command.
+    created_watch: tuple[str, ...] = ()
 
 
 # -- planning --------------------------------------------------------------------------
@@ -184,59 +204,65 @@ def host_facts() -> HostFacts:
 
 
 def _cache_dir() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "egressbox")
+    from egressbox.confine import cache
+
+    return cache.directory()
 
 
 def _compiled_seccomp() -> bytes:
     """The seccomp filter as a cached BPF program (empty: the launcher builds it)."""
     import json
 
+    from egressbox.confine import cache
+
     # Read the cache without importing the seccomp module (~7 ms with hashlib).
-    name = f"seccomp-v1-{os.uname().machine}-{os.uname().release}.json"
-    path = os.path.join(_cache_dir(), name)
-    try:
-        with open(path, encoding="ascii") as f:
-            data = json.load(f)
+    path = cache.path(f"seccomp-{os.uname().machine}-{os.uname().release}.json")
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+        data = json.loads(cache.read(path) or b"{}")
         if data.get("status") == "full":
             return bytes.fromhex(data["program"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    from egressbox.confine.seccomp import Status, cached_filter
+    from egressbox.confine.seccomp import Status, compile_filter
 
-    compiled = cached_filter(_cache_dir(), path=path)
-    return compiled.program if compiled.status is Status.FULL else b""
+    compiled = compile_filter()
+    if compiled.status is not Status.FULL:
+        return b""
+    cache.write(path, json.dumps({"status": "full", "program": compiled.program.hex()}).encode())
+    return compiled.program
 
 
 def _facts_path() -> str | None:
+    from egressbox.confine import cache
+
     # Keyed by boot, kernel and euid: any of them changes what is available.
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             boot = f.read().strip()
     except OSError:
         return None
-    name = f"probe-{boot}-{os.uname().release}-{os.geteuid()}.json"
-    return os.path.join(_cache_dir(), name)
+    return cache.path(f"probe-{boot}-{os.uname().release}-{os.geteuid()}.json")
 
 
 def _load_facts() -> HostFacts | None:
     import json
 
+    from egressbox.confine import cache
+
     path = _facts_path()
     if path is None:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(cache.read(path) or b"null")
         return HostFacts(
             frozenset(data["available"]), dict(data["status"]), int(data["abi"]), os.geteuid()
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
 
 
 def _store_facts(facts: HostFacts) -> None:
     import json
+
+    from egressbox.confine import cache
 
     path = _facts_path()
     if path is None:
@@ -246,12 +272,7 @@ def _store_facts(facts: HostFacts) -> None:
         "status": dict(facts.status),
         "abi": facts.landlock_abi,
     }
-    with contextlib.suppress(OSError):
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+    cache.write(path, json.dumps(data).encode())
 
 
 def effective_profile(requested: Profile, env: Mapping[str, str]) -> Profile:
@@ -271,17 +292,21 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     extra, warnings = _sandbox_fallback(profile, chosen, facts, base)
     if refusals or extra:
         raise RunRefusedError(refusals + extra)
+    _refuse_open_network(chosen, options)
     home = base.get("HOME", os.path.expanduser("~"))
     cwd = os.path.realpath(options.cwd or os.getcwd())
-    write_roots = tuple(os.path.realpath(expand_user(p, home)) for p in options.write_roots)
-    write_roots = write_roots or (cwd,)
-    read_roots = tuple(os.path.realpath(expand_user(p, home)) for p in options.read_roots)
-    process_read = tuple(os.path.realpath(expand_user(p, home)) for p in options.process_read_roots)
-    process_write = tuple(
-        os.path.realpath(expand_user(p, home)) for p in options.process_write_roots
-    )
+    write_roots = _real_roots(options.write_roots, home)
+    if not write_roots:
+        _refuse_wide_workspace(cwd, home)
+        write_roots = (cwd,)
+    read_roots = _real_roots(options.read_roots, home)
+    process_read = _real_roots(options.process_read_roots, home)
+    process_write = _real_roots(options.process_write_roots, home)
+    socket_roots = _real_roots(options.unix_socket_roots, home)
+    _refuse_cwd_outside(cwd, (*write_roots, *read_roots, *process_read, *process_write))
     executable = resolve_command(options.argv[0], base, cwd)
-    scratch = make_scratch(write_roots[0])
+    mounts = Mechanism.MOUNT_NAMESPACE in chosen
+    scratch = scratch_paths(write_roots[0]) if mounts else make_scratch(write_roots[0])
     env = child_environment(
         base,
         policy=options.env_policy,
@@ -295,6 +320,7 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         # The child's own servers on its private lo are reached directly.
         env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
     extra_deny = tuple(os.path.normpath(expand_user(p, home)) for p in options.deny)
+    trusted = _trusted_paths(options, write_roots, process_write, home)
     fs = plan_filesystem(
         home=home,
         write_roots=write_roots,
@@ -302,14 +328,26 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         executables=executable.grants,
         presets=options.presets,
         deny=_credential_paths(home, env.get("HOME")) + extra_deny,
+        protected_files=trusted,
         process_read_roots=process_read,
         process_write_roots=process_write,
     )
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
-    bind_back = _bind_back(
-        (*write_roots, *process_write), (*read_roots, *process_read, *executable.grants, cwd)
+    writable = (*write_roots, *process_write)
+    # A read grant inside a writable root adds nothing (a venv in the workspace stays
+    # writable); read-only roots nested in writable ones are fs.read_only_inside_write.
+    readable = [p for p in (*fs.read, *socket_roots) if not any(is_under(p, w) for w in writable)]
+    world = WorldSpec(
+        grants=(*((p, False) for p in readable), *((p, True) for p in writable)),
+        read_only=fs.read_only_inside_write,
+        mask=fs.deny,
+        socket_roots=socket_roots,
+        scratch=(scratch.tmp, scratch.cache) if scratch is not None and mounts else (),
+        cwd=cwd,
+        protect_kernel=os.getuid() == 0,
+        max_processes=options.max_processes,
     )
     plan = LaunchPlan(
         argv=options.argv,
@@ -320,18 +358,20 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         uid=os.getuid(),
         gid=os.getgid(),
         host_ports=tuple(s.getsockname()[1] for s in listeners),
-        read=fs.read,
+        read=(*fs.read, *socket_roots),
         write=fs.write,
         deny=fs.deny,
         read_only_inside_write=fs.read_only_inside_write,
-        bind_back=bind_back,
         allow_loopback=options.allow_loopback,
         pass_fds=options.pass_fds,
         rlimit_nofile=options.rlimit_nofile,
         rlimit_as=options.rlimit_as,
+        rlimit_nproc=options.max_processes,
+        rlimit_data=options.max_memory or _half_the_memory(),
         best_effort=profile is not Profile.OS_HARDENED,
         env_ports=templates,
         parent_pid=os.getpid(),
+        world=world if mounts else None,
     )
     if Mechanism.SECCOMP in chosen:
         plan = dataclasses.replace(plan, seccomp_program=_compiled_seccomp())
@@ -344,11 +384,86 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
             ("read", read_roots),
             ("process_read", process_read),
             ("process_write", process_write),
+            ("unix_socket", socket_roots),
             ("executable", executable.grants),
         )
         for path in dict.fromkeys(paths)
     ]
-    return Prepared(plan, report, listeners, network, warnings, homes, roots)
+    prepared = Prepared(plan, report, listeners, network, warnings, homes, roots)
+    prepared.profile = profile
+    prepared.created_watch = tuple(p for p in trusted if not os.path.lexists(p))
+    return prepared
+
+
+def _real_roots(paths: Sequence[str], home: str) -> tuple[str, ...]:
+    return tuple(os.path.realpath(expand_user(p, home)) for p in paths)
+
+
+def _half_the_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (OSError, ValueError):
+        return None
+
+
+def _refuse_open_network(chosen: frozenset[Mechanism], options: RunOptions) -> None:
+    """No network namespace and no Landlock TCP rules: the child would reach the world."""
+    if _network_boundary(chosen) is not Enforcement.NONE or options.allow_direct_network:
+        return
+    raise RunRefusedError(
+        [],
+        message="refused: this host offers neither a network namespace nor Landlock TCP "
+        "rules with seccomp, so the command could reach the network directly; "
+        "run as root or allow user namespaces, or pass --allow-direct-network to run it "
+        "with its network unconfined",
+    )
+
+
+def _refuse_wide_workspace(cwd: str, home: str) -> None:
+    """The current directory as the workspace, when it is `/` or the home directory itself."""
+    wide = {"/", os.path.realpath(home)} if home else {"/"}
+    if cwd in wide:
+        what = "the whole file system" if cwd == "/" else "your whole home directory"
+        raise EgressboxError(
+            f"the workspace would be {cwd} ({what}): every file there would be writable by "
+            "the command; run it from a project directory, or pass --write-root "
+            f"{cwd} to mean it"
+        )
+
+
+def _refuse_cwd_outside(cwd: str, roots: Sequence[str]) -> None:
+    if any(is_under(cwd, root) for root in roots):
+        return
+    raise EgressboxError(
+        f"the working directory {cwd} is outside every root, so it would not exist for the "
+        f"command; run from inside a root, or add --read-root {cwd} (or --write-root {cwd})"
+    )
+
+
+def _trusted_paths(
+    options: RunOptions, write_roots: Sequence[str], process_write: Sequence[str], home: str
+) -> tuple[str, ...]:
+    """What the host trusts that a writable root may hold: read-only for the child."""
+    trusted = list(host_trusted((*write_roots, *process_write)))
+    policy_source = options.policy.source if options.policy is not None else ""
+    files = [*options.trusted_files, *([policy_source] if policy_source else [])]
+    for path in files:
+        real = os.path.realpath(expand_user(path, home))
+        trusted.append(real)
+        trusted += _rotated_siblings(real)
+    trusted.append(os.path.realpath(_cache_dir()))
+    lifted = {os.path.realpath(expand_user(p, home)) for p in options.writable_trusted}
+    return tuple(p for p in dict.fromkeys(trusted) if p not in lifted)
+
+
+def _rotated_siblings(path: str) -> list[str]:
+    """An audit log's rotated generations (log.1, log.2.gz...) beside it."""
+    folder, name = os.path.split(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if n.startswith(name + ".")]
 
 
 def _credential_paths(home: str, child_home: str | None) -> tuple[str, ...]:
@@ -388,30 +503,51 @@ def _sandbox_fallback(
     ]
 
 
-def make_scratch(root: str) -> Scratch | None:
-    """Self-ignoring temp and cache directories inside the first writable root."""
+def scratch_paths(root: str) -> Scratch:
+    """The scratch space inside the first writable root (made inside the child's view)."""
     base = os.path.join(root, SCRATCH_DIR)
-    try:
-        os.makedirs(os.path.join(base, "tmp"), exist_ok=True)
-        os.makedirs(os.path.join(base, "cache"), exist_ok=True)
-        ignore = os.path.join(base, ".gitignore")
-        if not os.path.exists(ignore):
-            with open(ignore, "w", encoding="ascii") as f:
-                f.write("# egressbox scratch space (temp files and caches)\n*\n")
-    except OSError:
-        return None
     return Scratch(os.path.join(base, "tmp"), os.path.join(base, "cache"))
 
 
-def _bind_back(
-    write_roots: Sequence[str], read_paths: Sequence[str]
-) -> tuple[tuple[str, bool], ...]:
-    """Granted paths that live under a directory the mount namespace hides."""
-    found: dict[str, bool] = {}
-    for path, writable in [(p, True) for p in write_roots] + [(p, False) for p in read_paths]:
-        if any(is_under(path, hidden) for hidden in HIDDEN_DIRS) and os.path.exists(path):
-            found[path] = found.get(path, False) or writable
-    return tuple(found.items())
+def make_scratch(root: str) -> Scratch | None:
+    """Without a mount namespace: the scratch space made on the host, never through a link.
+
+    An earlier child could have left `.egressbox` (or `tmp` in it) as a symlink to any
+    directory of the invoker's: every step opens the next name with O_NOFOLLOW.
+    """
+    try:
+        top = os.open(root, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        base = _subdir(top, SCRATCH_DIR)
+        try:
+            for name in ("tmp", "cache"):
+                os.close(_subdir(base, name))
+            _write_ignore(base)
+        finally:
+            os.close(base)
+    except OSError:
+        return None
+    finally:
+        os.close(top)
+    return scratch_paths(root)
+
+
+def _subdir(parent: int, name: str) -> int:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o755, dir_fd=parent)
+    return os.open(name, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+
+
+def _write_ignore(base: int) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(".gitignore", flags, 0o644, dir_fd=base)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write("# egressbox scratch space (temp files and caches)\n*\n")
 
 
 def _host_listeners() -> list[socket.socket]:
@@ -465,6 +601,74 @@ def _network_boundary(chosen: frozenset[Mechanism]) -> Enforcement:
     return Enforcement.NONE
 
 
+def applied_report(
+    profile: Profile, chosen: frozenset[Mechanism], applied: Mapping[str, Any] | None
+) -> tuple[list[MechanismReport], Enforcement]:
+    """The report from what the launcher says it applied, never from the plan.
+
+    No word from the launcher (it failed before exec): nothing is reported as applied.
+    """
+    held = _held(applied or {})
+    rows = []
+    for mechanism in sorted(wanted(profile) | chosen):
+        state, detail = held.get(mechanism, (Enforcement.NONE, ""))
+        if mechanism not in chosen:
+            detail = "unavailable on this host"
+        elif state is Enforcement.NONE:
+            detail = detail or "planned, but not applied"
+        rows.append(MechanismReport(mechanism.value, state, detail or "applied"))
+    applied_set = frozenset(m for m, (state, _) in held.items() if state is Enforcement.FULL)
+    network = _network_boundary(applied_set)
+    rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
+    return rows, network
+
+
+def _held(applied: Mapping[str, Any]) -> dict[Mechanism, tuple[Enforcement, str]]:
+    full, none = Enforcement.FULL, Enforcement.NONE
+    ns = set(applied.get("namespaces") or ())
+    ll = applied.get("landlock") or {}
+    world = applied.get("world") or {}
+    skipped = "; ".join(f"{what}: {why}" for what, why in world.get("skipped") or ())
+    seccomp = str(applied.get("seccomp", "none"))
+    detail = f"constructed root ({len(world.get('steps') or ())} steps)"
+    return {
+        Mechanism.NETWORK_NAMESPACE: (full if "net" in ns else none, ""),
+        Mechanism.MOUNT_NAMESPACE: (
+            full if "mnt" in ns and world else none,
+            f"{detail}; not done: {skipped}" if skipped else detail,
+        ),
+        Mechanism.PID_NAMESPACE: (full if "pid" in ns else none, ""),
+        Mechanism.LANDLOCK_FS: (full if ll.get("fs") else none, f"ABI {ll.get('abi', 0)}"),
+        Mechanism.LANDLOCK_NET: (full if ll.get("net") else none, ""),
+        Mechanism.LANDLOCK_SCOPE: (full if ll.get("scopes") else none, ""),
+        Mechanism.SECCOMP: (Enforcement(seccomp) if seccomp in {"full", "partial"} else none, ""),
+        Mechanism.CAPABILITIES: (full if applied.get("capabilities") else none, ""),
+    }
+
+
+def confirm(prepared: Prepared, launched: Launched, options: RunOptions) -> None:
+    """Replace the planned report with what the launcher applied; say a gap on stderr."""
+    chosen = frozenset(Mechanism(m) for m in prepared.plan.mechanisms)
+    applied = launched.read_applied()
+    if applied is None:
+        return  # the command never ran: its exit code and message say why
+    prepared.report, prepared.network_boundary = applied_report(prepared.profile, chosen, applied)
+    gaps = [
+        row.mechanism
+        for row in prepared.report
+        if row.enforcement is not Enforcement.FULL
+        and row.mechanism != "network_boundary"
+        and not (options.allow_loopback and row.mechanism == Mechanism.LANDLOCK_NET.value)
+    ]
+    if gaps or prepared.network_boundary is not Enforcement.FULL:
+        line = (
+            f"confinement is partial: network boundary {prepared.network_boundary.value}; "
+            f"not applied: {', '.join(gaps) or '-'} (--report for details)"
+        )
+        prepared.warnings.append(line)
+        write_err(f"warning: {line}")
+
+
 # -- spawning ---------------------------------------------------------------------------
 
 
@@ -475,7 +679,10 @@ class Launched:
     stdout_fd: int | None = None
     stderr_fd: int | None = None
     chan: socket.socket | None = None  # to the launcher, until go() or abandon()
-    tee: StderrTee | None = None  # the command's stderr, through us (None: captured)
+    # The command's stderr through us, or its new terminal relayed by us (None: neither).
+    tee: StderrTee | TerminalRelay | None = None
+    report_fd: int | None = None  # what the launcher applied, until read_applied()
+    applied: dict[str, Any] | None = None
     # --timeout: when the next step is due (time.monotonic()), and whether it expired.
     due: float | None = None
     timeout: float | None = None
@@ -504,6 +711,33 @@ class Launched:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signum)
         return None if self.due is None else KILL_GRACE
+
+    def read_applied(self, timeout: float = LAUNCHER_TIMEOUT) -> dict[str, Any] | None:
+        """What the launcher applied, sent just before exec; None if it never got there."""
+        if self.report_fd is None:
+            return self.applied
+        import json
+        import select
+
+        data = b""
+        deadline = time.monotonic() + timeout
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([self.report_fd], [], [], left)[0]:
+                    break
+                chunk = os.read(self.report_fd, 65536)
+                if not chunk:
+                    break
+                data += chunk
+        except InterruptedError:
+            pass
+        finally:
+            os.close(self.report_fd)
+            self.report_fd = None
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(data) if data else None
+            self.applied = loaded if isinstance(loaded, dict) else None
+        return self.applied
 
     def go(self) -> None:
         """Let the launcher start the command."""
@@ -548,25 +782,36 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
     from egressbox.confine.launcher import launcher_main
 
     parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # What the launcher applied arrives on this pipe just before exec, which closes it.
+    report_r, report_w = os.pipe()
+    plan = dataclasses.replace(prepared.plan, report_fd=report_w)
     pipes = (os.pipe(), os.pipe()) if capture_output else None
-    # Not captured: the command's stderr still passes through us (refusal records).
-    tee = None if capture_output else StderrTee.open()
+    # Not captured: the command's stderr still passes through us (refusal records). It never
+    # gets our terminal: a new pty takes the place of each of our std fds that is one.
+    tee = open_stdio(capture_output=capture_output)
+    if isinstance(tee, TerminalRelay):
+        plan = dataclasses.replace(plan, controlling_tty=True)
     try:
         pid = os.fork()
     except BaseException:
         if tee is not None:
             tee.abandon()
+        os.close(report_r)
+        os.close(report_w)
         raise
     if pid == 0:  # the launcher
         parent_chan.close()
+        os.close(report_r)
         if pipes is not None:
             os.dup2(pipes[0][1], 1)
             os.dup2(pipes[1][1], 2)
         if tee is not None:
-            os.dup2(tee.child_fd, 2)
+            for target, source in tee.child_fds().items():
+                os.dup2(source, target)
             tee.close_in_child()
-        launcher_main(prepared.plan, child_chan.detach())
+        launcher_main(plan, child_chan.detach())
     child_chan.close()
+    os.close(report_w)
     if tee is not None:
         tee.start()
     out_fd = err_fd = None
@@ -578,12 +823,15 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
         listeners = _receive(parent_chan, prepared)
     except BaseException:
         parent_chan.close()
+        os.close(report_r)
         _kill_and_reap(pid)
         if tee is not None:
             tee.finish()
         raise
     parent_chan.settimeout(None)
-    return Launched(pid, listeners, out_fd, err_fd, parent_chan, tee=tee)
+    launched = Launched(pid, listeners, out_fd, err_fd, parent_chan, tee=tee)
+    launched.report_fd = report_r
+    return launched
 
 
 def _receive(chan: socket.socket, prepared: Prepared) -> list[socket.socket]:
@@ -625,9 +873,26 @@ async def supervise(
     audit: AuditSink | None = None,
     log: Any = None,
 ) -> RunResult:
-    """Serve the child's listeners until the launcher exits; return the result."""
-    import asyncio
+    """Serve the child's listeners until the launcher exits; return the result.
 
+    However the run ends, nothing of it outlives it: on cancellation, an
+    error, or its event loop closing under it, the launcher is killed (the
+    command's PID namespace with it) and reaped, the proxy closed and every
+    descriptor of the run released; then the exception goes on.
+    """
+    hold = _Hold(launched)
+    try:
+        hold.proxy = _make_proxy(launched, options, audit=audit, log=log)
+    except BaseException:
+        hold.abandon()
+        raise
+    return await _supervise(hold, prepared)
+
+
+def _make_proxy(
+    launched: Launched, options: RunOptions, *, audit: AuditSink | None = None, log: Any = None
+) -> EgressProxy:
+    """The proxy for the launcher's listeners (not started: _supervise() starts it)."""
     from egressbox.resolve import DnsResolver
     from egressbox.server import EgressProxy
 
@@ -635,7 +900,7 @@ async def supervise(
     for sock in launched.listeners:
         sock.setblocking(False)
     resolver = DnsResolver(list(options.nameservers)) if options.nameservers else None
-    proxy = EgressProxy(
+    return EgressProxy(
         options.policy,
         http_sockets=[http],
         socks_sockets=[socks],
@@ -644,17 +909,150 @@ async def supervise(
         keep_records=True,
         log=log,
     )
-    await proxy.start()
-    loop = asyncio.get_running_loop()
-    readers = [_Collector(loop, fd) for fd in (launched.stdout_fd, launched.stderr_fd)]
-    try:
-        code = await _wait_forwarding(loop, launched)
-        outputs = await asyncio.gather(*(r.finish(DRAIN_TIMEOUT) for r in readers))
-        tail = launched.stderr_tail()
-    finally:
-        for reader in readers:
+
+
+class _Hold:
+    """What a run holds until it ends; let go of once, whatever ends it."""
+
+    def __init__(self, launched: Launched, proxy: EgressProxy | None = None) -> None:
+        self.launched = launched
+        self.proxy = proxy
+        self.readers: list[_Collector] = []
+        self.reaped = False
+        self.released = False
+
+    def reap(self) -> int:
+        """The launcher has exited: reap it; its exit code as a shell reports it."""
+        _, status = os.waitpid(self.launched.pid, 0)
+        self.reaped = True
+        return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+    def stop(self) -> None:
+        """SIGKILL the launcher and its reaper and reap it; return once they are gone.
+
+        Only while it is unreaped: until then nobody else can have its pid.
+        """
+        if not self.reaped:
+            self.reaped = True
+            _kill_tree(self.launched.pid)
+            # Nobody reads what it applied now: close that pipe too.
+            self.launched.read_applied(0)
+
+    def release(self) -> None:
+        """Close the run's own descriptors (after the proxy let go of the listeners)."""
+        if self.released:
+            return
+        self.released = True
+        for reader in self.readers:
             reader.close()
+        launched = self.launched
+        if not self.readers:  # torn down before _supervise made them
+            for fd in (launched.stdout_fd, launched.stderr_fd):
+                if fd is not None:
+                    os.close(fd)
+            launched.stdout_fd = launched.stderr_fd = None
+        launched.stderr_tail()
+        for sock in launched.listeners:
+            sock.close()  # served ones are closed already; unserved ones are not
+
+    def abandon(self) -> None:
+        """Tear the run down awaiting nothing: its loop is closing, or it never ran."""
+        if self.released:
+            return
+        self.stop()
+        if self.proxy is not None:
+            self.proxy.abort()
+        self.release()
+
+    def after(self, task: Any) -> None:
+        # A Task cancelled before its first step never ran _supervise's clean-up.
+        del task
+        self.abandon()
+
+
+# A run torn down (cancelled) waits at most this long for its killed PID namespace to
+# empty (milliseconds, unless a process is stuck in the kernel).
+TREE_GONE_TIMEOUT = 2.0
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the launcher and its children (the reaper, pid 1 of the command's PID
+    namespace), reap the launcher, and wait (bounded) for the children to be gone.
+
+    The reaper would die of its parent-death signal anyway, but only after we
+    returned: waiting on it means nothing of the command runs once the run is
+    torn down (when pid 1 of a namespace is gone, so is everything in it).
+    """
+    children = _child_pidfds(pid)
+    try:
+        for fd in children:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        _kill_and_reap(pid)
+        _wait_exited(children, TREE_GONE_TIMEOUT)
+    finally:
+        for fd in children:
+            os.close(fd)
+
+
+def _child_pidfds(pid: int) -> list[int]:
+    """pidfds on `pid`'s children (a child's pid stays its own while `pid` holds it)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            pids = [int(text) for text in f.read().split()]
+    except (OSError, ValueError):
+        return []  # no CONFIG_PROC_CHILDREN: the reaper's parent-death signal must do
+    fds = []
+    for child in pids:
+        with contextlib.suppress(OSError):
+            fds.append(os.pidfd_open(child))
+    return fds
+
+
+def _wait_exited(pidfds: Sequence[int], timeout: float) -> None:
+    import select
+
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    left = set(pidfds)
+    while left and (remaining := deadline - time.monotonic()) > 0:
+        with contextlib.suppress(InterruptedError):
+            for fd, _ in poller.poll(remaining * 1000):
+                left.discard(fd)
+                poller.unregister(fd)
+
+
+async def _supervise(hold: _Hold, prepared: Prepared) -> RunResult:
+    import asyncio
+
+    launched, proxy = hold.launched, hold.proxy
+    assert proxy is not None
+    loop = asyncio.get_running_loop()
+    try:
+        hold.readers = [_Collector(loop, fd) for fd in (launched.stdout_fd, launched.stderr_fd)]
+        await proxy.start()
+        await _wait_forwarding(loop, launched)
+        code = hold.reap()
+        outputs = await asyncio.gather(*(r.finish(DRAIN_TIMEOUT) for r in hold.readers))
+    except GeneratorExit:
+        # The coroutine is being finalized (its loop closed with the run in
+        # flight): nothing may be awaited any more.
+        hold.abandon()
+        raise
+    except BaseException:
+        hold.stop()
+        try:
+            await proxy.close(0)
+        finally:
+            hold.release()
+        raise
+    tail = launched.stderr_tail()
+    try:
         await proxy.close(0)
+    finally:
+        hold.release()
     stderr = outputs[1] if outputs[1] is not None else tail
     result = _result(code, list(proxy.records), prepared, launched, stderr)
     result.warnings = prepared.warnings
@@ -709,18 +1107,21 @@ class _Collector:
         return b"".join(self.chunks)
 
     def close(self) -> None:
+        # Also from a coroutine being finalized after its loop closed, which
+        # refuses to schedule anything: the descriptor is closed regardless.
         if self.fd is not None:
-            self.loop.remove_reader(self.fd)
+            with contextlib.suppress(RuntimeError):
+                self.loop.remove_reader(self.fd)
             os.close(self.fd)
             self.fd = None
         if not self.done.done():
-            self.done.set_result(None)
+            with contextlib.suppress(RuntimeError):
+                self.done.set_result(None)
 
 
-async def _wait_forwarding(loop: Any, launched: Launched) -> int:
-    """Wait for the launcher (pidfd), passing SIGINT/SIGTERM/SIGHUP on to it."""
-    import asyncio
-
+async def _wait_forwarding(loop: Any, launched: Launched) -> None:
+    """Wait until the launcher exits (pidfd; the caller reaps it), passing
+    SIGINT/SIGTERM/SIGHUP on to it."""
     from egressbox.confine.launcher import FORWARDED
 
     pid = launched.pid
@@ -746,15 +1147,15 @@ async def _wait_forwarding(loop: Any, launched: Launched) -> int:
     try:
         await exited
     finally:
+        # Also when the loop closed under the run (see _Collector.close).
         for handle in timer:
             handle.cancel()
-        loop.remove_reader(pidfd)
+        with contextlib.suppress(RuntimeError):
+            loop.remove_reader(pidfd)
         os.close(pidfd)
         for signum in installed:
-            loop.remove_signal_handler(signum)
-    _, status = os.waitpid(pid, 0)
-    del asyncio
-    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            with contextlib.suppress(RuntimeError, ValueError):
+                loop.remove_signal_handler(signum)
 
 
 def classify_refusal(
@@ -794,7 +1195,7 @@ def path_plan(prepared: Prepared) -> PathPlan:
     landlock = plan.has(Mechanism.LANDLOCK_FS)
     kernel: tuple[str, ...] = ()
     if mounts and plan.uid == 0:
-        from egressbox.confine.mounts import KERNEL_READ_ONLY
+        from egressbox.confine.world import KERNEL_READ_ONLY
 
         kernel = KERNEL_READ_ONLY
     return PathPlan(
@@ -803,15 +1204,33 @@ def path_plan(prepared: Prepared) -> PathPlan:
         write=plan.write,
         # Masks and nested read-only roots are mounts, or (without a mount
         # namespace) Landlock grants that leave them out.
-        deny=plan.deny if mounts or landlock else (),
+        deny=(*plan.deny, *_etc_hidden()) if mounts else plan.deny if landlock else (),
         read_only=plan.read_only_inside_write if mounts or landlock else (),
         always_read_only=kernel,
-        hidden=HIDDEN_DIRS if mounts else (),
-        bound_back=plan.bind_back if mounts else (),
+        # The constructed root: nothing of the host exists but the grants.
+        hidden=("/",) if mounts else (),
+        bound_back=_visible(plan) if mounts else (),
         landlock_fs=landlock,
         abstract_isolated=plan.has(Mechanism.NETWORK_NAMESPACE)
         or plan.has(Mechanism.LANDLOCK_SCOPE),
     )
+
+
+def _etc_hidden() -> list[str]:
+    """The /etc entries the child's view covers (walked again only when a run failed)."""
+    from egressbox.confine.world import unreadable_to_others
+
+    return unreadable_to_others("/etc")
+
+
+def _visible(plan: LaunchPlan) -> tuple[tuple[str, bool], ...]:
+    """What exists in the child's view, and whether it may be written there."""
+    from egressbox.confine.world import CONSTRUCTED
+
+    # The private /tmp, /var/tmp and /run are not the host's: a host path there is absent.
+    grants = plan.world.grants if plan.world is not None else ()
+    made = tuple((p, p not in ("/proc", "/sys")) for p in CONSTRUCTED)
+    return (*made, *((os.path.realpath(p), w) for p, w in grants))
 
 
 def host_path(path: str) -> HostPath:
@@ -866,6 +1285,8 @@ def options_for(
     base_env: Mapping[str, str] | None = None,
     nameservers: Sequence[tuple[str, int]] = (),
     timeout: float | None = None,
+    allow_direct_network: bool = False,
+    unix_socket_roots: Sequence[str] = (),
 ) -> RunOptions:
     """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined().
 
@@ -878,6 +1299,7 @@ def options_for(
         argv=tuple(cmd),
         policy=policy,
         allow_loopback=allow_loopback,
+        allow_direct_network=allow_direct_network,
         pass_fds=tuple(pass_fds),
         cwd=cwd,
         base_env=base_env,
@@ -890,6 +1312,7 @@ def options_for(
             read_roots=read_roots,
             process_read_roots=process_read_roots,
             process_write_roots=process_write_roots,
+            unix_socket_roots=unix_socket_roots,
             grants=grants or {},
             timeout=timeout,
         ),
@@ -907,6 +1330,8 @@ def with_settings(
     timeout: float | None,
     process_read_roots: Sequence[str] = (),
     process_write_roots: Sequence[str] = (),
+    unix_socket_roots: Sequence[str] = (),
+    writable_trusted: Sequence[str] = (),
 ) -> dict[str, Any]:
     """RunOptions fields from the policy's run tables and the caller's choices.
 
@@ -936,6 +1361,10 @@ def with_settings(
         "deny": fs.deny,
         "rlimit_nofile": process.rlimit_nofile,
         "rlimit_as": process.rlimit_as,
+        "unix_socket_roots": tuple(dict.fromkeys((*unix_socket_roots, *fs.unix_socket_roots))),
+        "writable_trusted": tuple(dict.fromkeys((*writable_trusted, *fs.writable_trusted))),
+        "max_processes": process.max_processes or DEFAULT_MAX_PROCESSES,
+        "max_memory": process.max_memory,
     }
 
 
@@ -995,9 +1424,21 @@ def _result(
         result.refusal = RefusalRecord(Boundary.TIMEOUT, timeout=launched.timeout)
         return result
     result = RunResult(code, records, prepared.report, roots=prepared.roots)
+    result.created_trusted = _created_trusted(prepared)
+    result.warnings = list(prepared.warnings) + result.created_trusted
     if code != 0:
         result.refusal = classify_refusal(records, code, stderr, path_plan(prepared))
     return result
+
+
+def _created_trusted(prepared: Prepared) -> list[str]:
+    """Host-trusted files the command created: read-only binds need them to exist first."""
+    return [
+        f"the command created {path}, which the host trusts (it may run code at your next "
+        "git command, shell or editor start): review it before you use it"
+        for path in prepared.created_watch
+        if os.path.lexists(path)
+    ]
 
 
 def _start(
@@ -1008,6 +1449,7 @@ def _start(
     launched = spawn(prepared, capture_output=capture_output)
     launched.go()
     launched.start_timer(options.timeout)
+    confirm(prepared, launched, options)
     return prepared, launched
 
 
@@ -1036,6 +1478,7 @@ def run_options_sync(
             raise
     launched.go()
     launched.start_timer(options.timeout)
+    confirm(prepared, launched, options)
     if not capture_output:
         early = _exit_before_first_connection(launched)
         if early is not None:
@@ -1096,20 +1539,23 @@ def run_sync(
 
 
 class ConfinedProcess:
-    """A Popen-like handle on a confined command that is running now."""
+    """A Popen-like handle on a confined command that is running now (spawn_confined)."""
 
-    def __init__(self, launched: Launched, task: Any) -> None:
-        self._launched = launched
+    def __init__(self, hold: _Hold, task: Any, proxy: EgressProxy) -> None:
+        self._hold = hold
         self._task = task
+        self._proxy = proxy
 
     @property
     def pid(self) -> int:
         """The launcher's pid: signals sent here reach the command."""
-        return self._launched.pid
+        return self._hold.launched.pid
 
     def send_signal(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self._launched.pid, signum)
+        # Not once the launcher is reaped: its pid may be someone else's by then.
+        if not self._hold.reaped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._hold.launched.pid, signum)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -1117,7 +1563,27 @@ class ConfinedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    @property
+    def policy(self) -> Policy | None:
+        """The policy the run's proxy decides with now."""
+        return self._proxy.policy
+
+    def set_policy(self, policy: Policy, *, close_denied: bool = False) -> int:
+        """Change the running command's egress policy: decisions from now on use it.
+
+        With `close_denied`, open tunnels and forwarding connections that the
+        new policy would not admit are closed too (EgressProxy.close_denied);
+        returns how many. Only the [egress], [dns] and [limits] tables can
+        change under a running command: its sandbox stays as it started.
+        """
+        return self._proxy.set_policy(policy, close_denied=close_denied)
+
     async def wait(self) -> RunResult:
+        """The run's result, once the command has exited.
+
+        Cancelling wait() cancels the run (the command is killed); wrap it in
+        asyncio.shield() to wait with a timeout and leave the command running.
+        """
         result: RunResult = await self._task
         return result
 
@@ -1130,15 +1596,27 @@ async def spawn_confined(
     capture_output: bool = False,
     **kwargs: Any,
 ) -> ConfinedProcess:
-    """Start `cmd` confined and return at once with a handle (stream by polling wait())."""
+    """Start `cmd` confined and return its handle as soon as the command is started.
+
+    A coroutine, to await on the event loop that is to serve the run: the
+    proxy runs there, in a Task, until the command exits (`await
+    handle.wait()` for the RunResult). The keywords are options_for()'s.
+    """
     import asyncio
 
     options = options_for(cmd, policy=policy, **kwargs)
+    loop = asyncio.get_running_loop()  # before the fork: no loop, no run
     prepared, launched = _start(options, None, capture_output)
-    task = asyncio.get_running_loop().create_task(
-        supervise(launched, options, prepared, audit=audit)
-    )
-    return ConfinedProcess(launched, task)
+    hold = _Hold(launched)
+    try:
+        proxy = _make_proxy(launched, options, audit=audit)
+    except BaseException:
+        hold.abandon()
+        raise
+    hold.proxy = proxy
+    task = loop.create_task(_supervise(hold, prepared))
+    task.add_done_callback(hold.after)
+    return ConfinedProcess(hold, task, proxy)
 
 
 def exit_code_for(error: BaseException) -> int:
@@ -1154,8 +1632,8 @@ def write_err(line: str) -> None:
 
 def run_command(args: Any, argv: list[str]) -> int:
     """`egressbox run`: the CLI front of run_sync (no asyncio imported before the fork)."""
-    from egressbox.cli import EXIT_USAGE
     from egressbox.errors import AuditError
+    from egressbox.exitcodes import EXIT_USAGE
 
     settings = _cli_run_settings(args)
     if isinstance(settings, int):
@@ -1184,6 +1662,8 @@ def run_command(args: Any, argv: list[str]) -> int:
             write_err(f"enforcement: {row.mechanism}: {row.enforcement.value} ({row.detail})")
         for root in result.roots:
             write_err(f"root: {root.kind}: {root.path} ({root.detail})")
+    for line in result.created_trusted:
+        write_err(f"warning: {line}")
     if result.refusal is not None:
         write_err(result.refusal.line(result.exit_code))
     return result.exit_code
@@ -1191,9 +1671,9 @@ def run_command(args: Any, argv: list[str]) -> int:
 
 def _cli_policy(args: Any) -> Policy | None:
     """The command line's policy (loaded while the launcher starts)."""
-    from egressbox.cli import load_cli_policy
+    from egressbox.policy import load_policy_or_environment
 
-    policy = load_cli_policy(args.policy)
+    policy = load_policy_or_environment(args.policy)
     if policy is not None and args.report_only:
         from egressbox.policy import Mode
         from egressbox.suggest import with_mode
@@ -1214,7 +1694,8 @@ def _cli_run_settings(args: Any) -> RunSettings | int | None:
     try:
         return load_run_settings(args.policy)
     except PolicyError as exc:
-        from egressbox.cli import EXIT_USAGE, print_policy_error
+        from egressbox.errors import print_policy_error
+        from egressbox.exitcodes import EXIT_USAGE
 
         print_policy_error(exc, sys.stderr)
         return EXIT_USAGE
@@ -1236,18 +1717,25 @@ def _cli_options(
             read_roots=args.read_root,
             process_read_roots=args.process_read_root,
             process_write_roots=args.process_write_root,
+            unix_socket_roots=args.unix_socket_root,
+            writable_trusted=args.writable_trusted,
             grants=grants,
             timeout=args.timeout,
         )
     except ValueError as exc:
         write_err(str(exc))
         return None
+    for path in chosen["writable_trusted"]:
+        write_err(f"warning: {path} is host-trusted; the command may write it (--writable-trusted)")
+    trusted = tuple(p for p in (args.policy, args.audit_log) if p and p != "-")
     return RunOptions(
         argv=tuple(argv),
         policy=None,
         allow_loopback=args.allow_loopback,
+        allow_direct_network=args.allow_direct_network,
         pass_fds=tuple(args.pass_fd),
         nameservers=servers,
+        trusted_files=trusted,
         **chosen,
     )
 
@@ -1278,13 +1766,14 @@ def _run_reporting_errors(
             policy_loader=lambda: _cli_policy(args),
         )
     except PolicyError as exc:
-        from egressbox.cli import EXIT_USAGE, print_policy_error
+        from egressbox.errors import print_policy_error
+        from egressbox.exitcodes import EXIT_USAGE
 
         print_policy_error(exc, sys.stderr)
         return EXIT_USAGE
     except RunRefusedError as exc:
-        for refusal in exc.refusals:
-            write_err(refusal.message())
+        for message in exc.messages:
+            write_err(message)
         return EXIT_CANNOT_CONFINE
     except CommandNotFoundError as exc:
         write_err(str(exc))

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from egressbox.audit import AuditSink, JsonlFileSink, StreamSink
-from egressbox.cli import EXIT_OK, EXIT_START, EXIT_USAGE, make_resolver, print_policy_error
-from egressbox.errors import AuditError, PolicyError
+from egressbox.errors import AuditError, PolicyError, print_policy_error
+from egressbox.exitcodes import EXIT_OK, EXIT_START, EXIT_USAGE
 from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
-from egressbox.resolve import parse_nameserver
+from egressbox.resolve import parse_nameserver, resolver_for
 from egressbox.server import EgressProxy, stderr_log
 from egressbox.suggest import with_mode
 
@@ -145,7 +145,7 @@ async def _started_proxy(
     # --nameserver overrides [dns] nameservers (keeping its timeout and cache);
     # without it the proxy builds the resolver from [dns] itself, so that a
     # SIGHUP reload with changed [dns] settings takes effect.
-    resolver = make_resolver(policy, servers) if servers else None
+    resolver = resolver_for(policy, servers) if servers else None
     ports: dict[str, Any] = {"http_port": options.http_port, "socks_port": options.socks_port}
     if sockets is not None:
         http, socks = sockets.get("http"), sockets.get("socks5")

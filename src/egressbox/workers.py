@@ -43,7 +43,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from egressbox.cli import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
+from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
 from egressbox.policy import Policy
 from egressbox.server import LISTEN_BACKLOG, stderr_log
 

@@ -22,13 +22,11 @@ import random
 import select
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
 import termios
 import textwrap
-import threading
 import time
 import tty
 import uuid
@@ -38,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from integration.unix_listener import UnixListener
 from integration.unprivileged import (
     BASE_DIR,
     Actor,
@@ -220,38 +219,6 @@ def test_touching_etc_is_write(box: Box) -> None:
 # -- local_socket -------------------------------------------------------------------------
 
 
-class UnixListener:
-    """A pathname unix socket on the host that accepts and closes each connection."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "listener.sock"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(self.path))
-        self.sock.listen(16)
-        self.sock.settimeout(TICK)
-        os.chmod(self.path, 0o777)  # the unprivileged user connects too
-        self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sock.close()
-
-
 @pytest.fixture(params=["run", "tmp"])
 def unix_listener(request: pytest.FixtureRequest) -> Iterator[UnixListener]:
     parent = "/run" if request.param == "run" else "/tmp"
@@ -259,7 +226,7 @@ def unix_listener(request: pytest.FixtureRequest) -> Iterator[UnixListener]:
         pytest.skip(f"{parent} is not writable here")
     directory = Path(parent) / f"egressbox-refusal-{uuid.uuid4().hex[:12]}"
     directory.mkdir(mode=0o755)
-    listener = UnixListener(directory)
+    listener = UnixListener(directory / "listener.sock")
     try:
         yield listener
     finally:
@@ -494,7 +461,7 @@ def test_a_new_window_size_reaches_the_childs_pty_before_sigwinch(tmp_path: Path
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=slave,
-            env=actor.base_env(tmp_path),
+            env=actor.base_env(tmp_path / "home"),  # the workspace is not the home directory
             cwd=tmp_path,
         )
         assert proc.stdout is not None

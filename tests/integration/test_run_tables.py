@@ -111,7 +111,12 @@ def test_filesystem_write_roots_apply_without_write_root(box: Box, tmp_path: Pat
     out.mkdir()
     policy = box.write_policy(f'[filesystem]\nwrite_roots = ["{out}"]\n')
     script = f"echo ok > {out}/made && echo made; echo no > ./cwd-file && echo cwd-written"
-    done = box.run("--policy", policy, "--", "/bin/sh", "-c", script)
+    # The current directory is no longer a root: it would not exist for the command.
+    refused = box.run("--policy", policy, "--", "/bin/sh", "-c", script)
+    assert refused.returncode == 126, _explain(refused)
+    assert f"--read-root {box.workspace}".encode() in refused.stderr, _explain(refused)
+    readable = ("--read-root", str(box.workspace))
+    done = box.run("--policy", policy, *readable, "--", "/bin/sh", "-c", script)
     assert (out / "made").read_text() == "ok\n", _explain(done)
     assert b"made\n" in done.stdout, _explain(done)
     # The scratch space moved to the first writable root: the table's.
@@ -124,7 +129,7 @@ def test_filesystem_write_roots_apply_without_write_root(box: Box, tmp_path: Pat
     flag_root.mkdir()
     script = f"echo a > {out}/again && echo b > {flag_root}/flag"
     argv = ["--policy", policy, "--write-root", str(flag_root)]
-    done = box.run(*argv, "--", "/bin/sh", "-c", script)
+    done = box.run(*argv, *readable, "--", "/bin/sh", "-c", script)
     assert done.returncode == 0, _explain(done)
     assert (out / "again").exists() and (flag_root / "flag").exists()
     assert (flag_root / ".egressbox").is_dir()
@@ -160,7 +165,11 @@ def test_prepare_applies_presets_deny_and_rlimits(tmp_path: Path) -> None:
     )
     home = str(tmp_path / "home")
     options = options_for(
-        ["/bin/true"], policy=policy, cwd=str(tmp_path), base_env={"HOME": home, "PATH": "/bin"}
+        ["/bin/true"],
+        policy=policy,
+        cwd=str(tmp_path),
+        base_env={"HOME": home, "PATH": "/bin"},
+        allow_direct_network=True,  # planning only: nothing runs
     )
     facts = HostFacts(frozenset(), {}, 0, os.geteuid())
     prepared = prepare(options, facts)

@@ -21,6 +21,7 @@ command was not found.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -30,9 +31,9 @@ from typing import Any, NoReturn
 
 from egressbox.confine import netns
 from egressbox.confine.plan import Mechanism
+from egressbox.confine.world import WorldSpec
+from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 
-EXIT_CANNOT_CONFINE = 126
-EXIT_NOT_FOUND = 127
 # Signals the launcher and the reaper pass on to the command.
 FORWARDED = (
     signal.SIGINT,
@@ -67,7 +68,6 @@ class LaunchPlan:
     write: tuple[str, ...] = ()
     deny: tuple[str, ...] = ()
     read_only_inside_write: tuple[str, ...] = ()
-    bind_back: tuple[tuple[str, bool], ...] = ()
     allow_loopback: bool = False
     pass_fds: tuple[int, ...] = ()
     rlimit_nofile: int | None = None
@@ -78,6 +78,15 @@ class LaunchPlan:
     # prctl, so the launcher never imports pyseccomp. Empty: build it here.
     seccomp_program: bytes = b""
     parent_pid: int = 0  # the proxy's pid: the launcher dies with it
+    # The child's filesystem, built when the mount namespace is applied.
+    world: WorldSpec | None = None
+    # Close-on-exec pipe to the parent: what was applied, written just before exec.
+    report_fd: int = -1
+    rlimit_nproc: int | None = None
+    rlimit_data: int | None = None
+    # The std fds that are terminals are a new pty of the run's: the command makes it its
+    # controlling terminal in a session of its own (never the caller's terminal on /dev/tty).
+    controlling_tty: bool = False
 
     def has(self, mechanism: Mechanism) -> bool:
         return mechanism.value in self.mechanisms
@@ -103,6 +112,9 @@ def launcher_main(plan: LaunchPlan, chan_fd: int) -> NoReturn:
 @dataclass
 class _Progress:
     listening_sent: bool = False
+    # What was really applied, reported to the parent just before exec.
+    applied: dict[str, Any] = field(default_factory=dict)
+    etc_hidden: list[str] | None = None
 
 
 # One launcher per process: where it got to decides how a failure is reported.
@@ -127,9 +139,9 @@ def _preload(plan: LaunchPlan) -> None:
     """
     import resource
 
-    from egressbox.confine import caps, landlock, landlock_apply, mounts, syscalls
+    from egressbox.confine import caps, landlock, landlock_apply, syscalls, world
 
-    del caps, landlock, landlock_apply, mounts, syscalls, resource
+    del caps, landlock, landlock_apply, syscalls, world, resource
     if plan.has(Mechanism.SECCOMP) and not plan.seccomp_program:
         from egressbox.confine import seccomp
 
@@ -160,6 +172,7 @@ def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
     _unshare(plan)
     ports = _listeners(plan, chan)
     _PROGRESS.listening_sent = True
+    _walk_etc(plan)  # while the parent loads its policy
     _await_go(chan)
     env = _fill_ports(plan, ports)
     if plan.has(Mechanism.PID_NAMESPACE):
@@ -171,8 +184,20 @@ def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
             _die_with_parent_pid_ns(launcher)
             os._exit(_reaper(plan, env, ports, prepared, chan))
         chan.close()
+        _close_report(plan)
         return _supervise(pid, reap_all=False)
     return _reaper(plan, env, ports, prepared, chan)
+
+
+def _walk_etc(plan: LaunchPlan) -> None:
+    if plan.world is None or not plan.has(Mechanism.MOUNT_NAMESPACE):
+        return
+    from egressbox.confine import world
+
+    if any(world.is_under("/etc", os.path.realpath(p)) for p, _ in plan.world.grants):
+        _PROGRESS.etc_hidden = world.unreadable_to_others("/etc")
+    else:
+        _PROGRESS.etc_hidden = []
 
 
 def _die_with_parent_pid_ns(launcher: int) -> None:
@@ -198,22 +223,32 @@ def _unshare(plan: LaunchPlan) -> None:
     from egressbox.confine import syscalls
 
     flags = 0
-    if plan.has(Mechanism.NETWORK_NAMESPACE):
-        flags |= syscalls.CLONE_NEWNET
-    if plan.has(Mechanism.MOUNT_NAMESPACE):
-        flags |= syscalls.CLONE_NEWNS
-    if plan.has(Mechanism.PID_NAMESPACE):
-        flags |= syscalls.CLONE_NEWPID
+    names = []
+    for mechanism, flag, name in (
+        (Mechanism.NETWORK_NAMESPACE, syscalls.CLONE_NEWNET, "net"),
+        # SysV IPC objects and the host name of host processes go with the mount namespace:
+        # the child's world is constructed, not shared.
+        (Mechanism.MOUNT_NAMESPACE, syscalls.CLONE_NEWNS, "mnt"),
+        (Mechanism.MOUNT_NAMESPACE, syscalls.CLONE_NEWIPC, "ipc"),
+        (Mechanism.MOUNT_NAMESPACE, syscalls.CLONE_NEWUTS, "uts"),
+        (Mechanism.PID_NAMESPACE, syscalls.CLONE_NEWPID, "pid"),
+    ):
+        if plan.has(mechanism):
+            flags |= flag
+            names.append(name)
     if not flags:
+        _PROGRESS.applied["namespaces"] = []
         return
     if plan.uid != 0:
         flags |= syscalls.CLONE_NEWUSER
+        names.append("user")
     try:
         syscalls.unshare(flags)
     except OSError as exc:
         raise LaunchError(f"cannot create namespaces: {exc.strerror}") from None
     if plan.uid != 0:
         netns.write_id_maps(plan.uid, plan.gid)
+    _PROGRESS.applied["namespaces"] = names
 
 
 def _listeners(plan: LaunchPlan, chan: socket.socket) -> tuple[int, ...]:
@@ -267,24 +302,30 @@ def _reaper(
     pid = os.fork()
     if pid == 0:
         _command(plan, env, ports, prepared)
+    _close_report(plan)
     return _supervise(pid, reap_all=plan.has(Mechanism.PID_NAMESPACE))
 
 
-def _mounts(plan: LaunchPlan) -> None:
-    from egressbox.confine import mounts
+def _close_report(plan: LaunchPlan) -> None:
+    # Only the command's copy may stay open: the parent reads until the exec closes it.
+    if plan.report_fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(plan.report_fd)
 
-    spec = mounts.MountSpec(
-        bind_back=plan.bind_back,
-        read_only=plan.read_only_inside_write,
-        mask=plan.deny,
-        protect_kernel=plan.uid == 0,
-        minimal_dev=plan.uid == 0,
-        new_proc=plan.has(Mechanism.PID_NAMESPACE),
-    )
+
+def _mounts(plan: LaunchPlan) -> None:
+    from egressbox.confine import world
+
+    if plan.world is None:
+        raise LaunchError("a mount namespace without a world to build")
+    spec = plan.world
+    if not plan.has(Mechanism.PID_NAMESPACE) and spec.new_proc:
+        spec = dataclasses.replace(spec, new_proc=False)
     try:
-        mounts.apply_mounts(spec)
+        report = world.apply_world(spec, _PROGRESS.etc_hidden)
     except OSError as exc:
-        raise LaunchError(f"cannot set up the mount namespace: {exc}") from None
+        raise LaunchError(f"cannot build the child's filesystem: {exc}") from None
+    _PROGRESS.applied["world"] = {"steps": list(report.steps), "skipped": report.skipped}
 
 
 def _supervise(child: int, *, reap_all: bool) -> int:
@@ -322,8 +363,11 @@ def _command(
     for signum in FORWARDED:
         signal.signal(signum, signal.SIG_DFL)
     try:
+        if plan.controlling_tty:
+            _own_terminal()
         _restrict(plan, ports, prepared)
         os.chdir(plan.cwd)
+        _report_applied(plan)
     except BaseException as exc:  # never exec (or fall back into the reaper) half-confined
         _fail(f"cannot confine the command: {exc}", EXIT_CANNOT_CONFINE)
     try:
@@ -333,34 +377,80 @@ def _command(
         _fail(f"{plan.argv[0]}: {exc.strerror}", code)
 
 
-def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any) -> None:
-    import resource
+def _own_terminal() -> None:
+    """A new session whose controlling terminal is the run's pty: /dev/tty is that pty, not
+    the caller's terminal, and ^C typed there signals the command through its line discipline.
+    (fcntl and termios are loaded already: the parent imported them to open the pty.)"""
+    import fcntl
+    import termios
 
-    resource.setrlimit(resource.RLIMIT_CORE, (RLIMIT_CORE_OFF, RLIMIT_CORE_OFF))
-    if plan.rlimit_nofile is not None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (plan.rlimit_nofile, plan.rlimit_nofile))
-    if plan.rlimit_as is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (plan.rlimit_as, plan.rlimit_as))
+    os.setsid()
+    tty = next((fd for fd in (0, 1, 2) if os.isatty(fd)), None)
+    if tty is not None:
+        with contextlib.suppress(OSError):  # no controlling terminal at all is safe too
+            fcntl.ioctl(tty, termios.TIOCSCTTY, 0)
+
+
+def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any) -> None:
+    _limits(plan)
+    applied = _PROGRESS.applied
     if plan.has(Mechanism.CAPABILITIES) and os.geteuid() == 0 and not _powerless():
         from egressbox.confine import caps
 
         caps.drop_all_capabilities()
-    _landlock(plan, ports)
-    _close_fds(plan.pass_fds)
+    applied["capabilities"] = plan.has(Mechanism.CAPABILITIES)
+    applied["landlock"] = _landlock(plan, ports)
+    keep = (*plan.pass_fds, plan.report_fd) if plan.report_fd >= 0 else plan.pass_fds
+    _close_fds(keep)
+    applied["seccomp"] = _seccomp(plan, prepared)
+
+
+def _limits(plan: LaunchPlan) -> None:
+    import resource
+
+    limits = {"core": RLIMIT_CORE_OFF}
+    resource.setrlimit(resource.RLIMIT_CORE, (RLIMIT_CORE_OFF, RLIMIT_CORE_OFF))
+    for name, which, value in (
+        ("nofile", resource.RLIMIT_NOFILE, plan.rlimit_nofile),
+        ("as", resource.RLIMIT_AS, plan.rlimit_as),
+        ("data", resource.RLIMIT_DATA, plan.rlimit_data),
+        # Not enforced for uid 0 by the kernel: the PID namespace's pid_max is the bound there.
+        ("nproc", resource.RLIMIT_NPROC, plan.rlimit_nproc if os.geteuid() != 0 else None),
+    ):
+        if value is not None:
+            resource.setrlimit(which, (value, value))
+            limits[name] = value
+    _PROGRESS.applied["rlimits"] = limits
+
+
+def _seccomp(plan: LaunchPlan, prepared: Any) -> str:
+    """Load the filter last; returns its status: full, partial or none."""
     if plan.seccomp_program and plan.has(Mechanism.SECCOMP):
         from egressbox.confine.syscalls import load_seccomp_program
 
         load_seccomp_program(plan.seccomp_program)  # raises: never exec without it
-        return
+        return "full"
     if prepared is None:
         _no_new_privs()
-        return
+        return "none"
     report = prepared.load()
     if report.status != "full" and not plan.best_effort:
         # os_hardened fails closed: never exec with a weaker filter than planned.
         raise LaunchError(f"seccomp filter not fully applied: {report.reason}")
     if report.status == "none":
         _no_new_privs()
+    return str(report.status)
+
+
+def _report_applied(plan: LaunchPlan) -> None:
+    """Tell the parent what holds, as the last step before exec (the pipe closes on exec)."""
+    if plan.report_fd < 0:
+        return
+    import json
+
+    data = json.dumps(_PROGRESS.applied).encode()
+    with contextlib.suppress(OSError):
+        os.write(plan.report_fd, data)
 
 
 def _powerless() -> bool:
@@ -378,19 +468,20 @@ def _powerless() -> bool:
     return sets.all_clear and bits & caps.LOCKED_SECUREBITS == caps.LOCKED_SECUREBITS
 
 
-def _landlock(plan: LaunchPlan, ports: tuple[int, ...]) -> None:
+def _landlock(plan: LaunchPlan, ports: tuple[int, ...]) -> dict[str, Any]:
     from egressbox.confine import landlock_apply
 
     read, write = plan.read, plan.write
     if not plan.has(Mechanism.MOUNT_NAMESPACE):
         read, write = _without_mounts(plan)
-    landlock_apply.apply(
+    report = landlock_apply.apply(
         read=read if plan.has(Mechanism.LANDLOCK_FS) else None,
         write=write,
         connect_ports=ports if plan.has(Mechanism.LANDLOCK_NET) else None,
         allow_loopback=plan.allow_loopback,
         scopes=plan.has(Mechanism.LANDLOCK_SCOPE),
     )
+    return {"abi": report.abi, "fs": report.fs, "net": report.net, "scopes": report.scopes}
 
 
 def _without_mounts(plan: LaunchPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -150,7 +150,9 @@ def wanted(profile: Profile) -> frozenset[Mechanism]:
 
 # Read (and execute) for every confined program: the system's runtime.
 SYSTEM_RUNTIME = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
-SYSTEM_READ_ONLY_EXTRA = ("/proc", "/sys", "/var/lib", "/var/cache", "/snap")
+# /proc and /sys are made fresh for the child; /var/lib and /var/cache are not granted (they
+# hold services' state, much of it readable only by root, and a root child is root).
+SYSTEM_READ_ONLY_EXTRA = ("/proc", "/sys", "/snap")
 # Written by nearly every program: the null device and terminals.
 DEVICE_WRITE = ("/dev",)
 # Per-user toolchains often installed under the home directory (pyenv, rustup...).
@@ -187,12 +189,63 @@ CREDENTIALS = (
     "~/.azure",
     "~/.config/gcloud",
     "~/.config/gh",
+    "~/.config/hub",
+    "~/.config/glab-cli",
     "~/.netrc",
     "~/.git-credentials",
+    "~/.config/git/credentials",
     "~/.docker/config.json",
+    "~/.docker/run",
     "~/.kube",
     "~/.gnupg",
+    "~/.password-store",
+    "~/.local/share/keyrings",
     "~/.pypirc",
+    "~/.config/pypoetry/auth.toml",
+    "~/.local/share/uv/credentials",
+    "~/.config/uv/credentials",
+    "~/.cargo/credentials",
+    "~/.cargo/credentials.toml",
+    "~/.npmrc",
+    "~/.yarnrc",
+    "~/.yarnrc.yml",
+    "~/.config/pnpm/rc",
+    "~/.gem/credentials",
+    "~/.local/share/gem/credentials",
+    "~/.config/composer/auth.json",
+    "~/.composer/auth.json",
+    "~/.terraform.d/credentials.tfrc.json",
+    "~/.vault-token",
+    "~/.config/op",
+    "~/.op",
+    "~/.oci",
+    "~/.config/doctl",
+    "~/.config/heroku",
+    "~/.netlify",
+    "~/.config/netlify",
+    "~/.fly",
+    "~/.config/hcloud",
+    "~/.s3cfg",
+    "~/.boto",
+    "~/.m2/settings.xml",
+    "~/.gradle/gradle.properties",
+    "~/.nuget/NuGet/NuGet.Config",
+    "~/.mozilla",
+    "~/.config/google-chrome",
+    "~/.config/chromium",
+    "~/.config/BraveSoftware",
+    "~/.config/microsoft-edge",
+    "~/.claude.json",
+    "~/.claude/.credentials.json",
+    "~/.codex/auth.json",
+    "~/.config/openai",
+    "~/.config/github-copilot",
+    "~/.aider.conf.yml",
+    "~/.huggingface/token",
+    "~/.cache/huggingface/token",
+    "~/.config/gcloud-legacy",
+    "~/.wrangler",
+    "~/.config/.wrangler",
 )
 PRESETS: dict[str, tuple[str, ...]] = {
     "system_runtime": SYSTEM_RUNTIME,
@@ -201,6 +254,46 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "user_temp": USER_TEMP,
 }
 DEFAULT_PRESETS = ("system_runtime", "developer_toolchains", "package_manager_config", "user_temp")
+
+
+# Inside a writable root, files and directories that the host runs or trusts later are
+# read-only for the child (a hook runs at the user's next commit, core.fsmonitor and
+# core.sshCommand at the next git command, a shell rc at the next login, .envrc at the next
+# cd, editor task files when the project is opened).
+HOST_TRUSTED = (
+    ".git/hooks",
+    ".git/config",
+    ".envrc",
+    ".vscode",
+    ".idea",
+    "egressbox.toml",
+    ".bashrc",
+    ".bash_profile",
+    ".bash_login",
+    ".bash_logout",
+    ".profile",
+    ".zshrc",
+    ".zshenv",
+    ".zprofile",
+    ".zlogin",
+    ".config/fish",
+)
+
+
+def host_trusted(write_roots: Sequence[str], listdir: object = os.listdir) -> tuple[str, ...]:
+    """Host-trusted paths in each writable root, the submodules' git hooks and config too."""
+    assert callable(listdir)
+    found: list[str] = []
+    for root in write_roots:
+        found += [os.path.join(root, name) for name in HOST_TRUSTED]
+        modules = os.path.join(root, ".git", "modules")
+        try:
+            names = sorted(listdir(modules))
+        except OSError:
+            continue
+        for name in names:
+            found += [os.path.join(modules, name, "hooks"), os.path.join(modules, name, "config")]
+    return tuple(dict.fromkeys(found))
 
 
 def expand_user(path: str, home: str) -> str:

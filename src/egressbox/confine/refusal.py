@@ -325,11 +325,13 @@ def _finding(error: ErrorLine, path: str, boundary: Boundary, hint: str) -> Find
 
 
 def _judge_missing(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding | None:
-    # Missing in the child but present on the host: the mount namespace hides it.
-    there = host.exists or (error.writes and host.parent_exists)
+    # Missing in the child but present on the host: it was not granted, so it does not exist
+    # in the child's constructed view. A file the host lacks in a directory the host has (but
+    # the child does not) was being created there: nothing else fails only in the child.
+    there = host.exists or host.parent_exists
     if not there or plan.visible(path):
         return None
-    if error.writes:
+    if error.writes or not host.exists:
         return _finding(error, path, Boundary.WRITE, _write_hint(path, host, plan))
     return _read_refusal(error, path, host, plan)
 

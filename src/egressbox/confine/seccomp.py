@@ -815,38 +815,6 @@ def compile_filter(options: SeccompOptions | None = None) -> CompiledFilter:
     return CompiledFilter(program, built.report.status, built.report.reason)
 
 
-def cached_filter(
-    cache_dir: str, options: SeccompOptions | None = None, *, path: str | None = None
-) -> CompiledFilter:
-    """compile_filter(), cached in cache_dir by options, machine and kernel."""
-    import json
-    import zlib
-
-    options = options or SeccompOptions()
-    if path is None:
-        key = zlib.crc32(repr((options, os.uname().machine, os.uname().release)).encode())
-        path = os.path.join(cache_dir, f"seccomp-{key:08x}.json")
-    try:
-        with open(path, encoding="ascii") as f:
-            data = json.load(f)
-        return CompiledFilter(
-            bytes.fromhex(data["program"]), Status(data["status"]), data["reason"]
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    compiled = compile_filter(options)
-    if compiled.program:
-        data = {"program": compiled.program.hex(), "status": compiled.status.value}
-        data["reason"] = compiled.reason
-        with contextlib.suppress(OSError):
-            os.makedirs(cache_dir, mode=0o700, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}"
-            with open(tmp, "w", encoding="ascii") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-    return compiled
-
-
 def load_program(program: bytes) -> None:
     """Load a compiled filter (see syscalls.load_seccomp_program)."""
     from egressbox.confine.syscalls import load_seccomp_program

@@ -173,3 +173,60 @@ def load_seccomp_program(program: bytes) -> None:
     prog = _SockFprog(len(program) // _SOCK_FILTER_SIZE, ctypes.cast(buffer, ctypes.c_void_p))
     prctl(PR_SET_NO_NEW_PRIVS, 1)
     prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog))
+
+
+# -- the constructed root ---------------------------------------------------------------
+# pivot_root(2) has no libc wrapper; mount_setattr(2) (Linux 5.12) changes the flags of a
+# whole mount tree in one call, where remounting would take one call per mount below.
+_NR = {
+    "x86_64": {"pivot_root": 155, "mount_setattr": 442},
+    "aarch64": {"pivot_root": 41, "mount_setattr": 442},
+}
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+AT_RECURSIVE = 0x8000
+AT_FDCWD = -100
+_MOUNT_ATTR_SIZE_VER0 = 32
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = (
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    )
+
+
+_libc.syscall.restype = ctypes.c_long
+
+
+def _syscall_number(name: str) -> int:
+    numbers = _NR.get(os.uname().machine)
+    if numbers is None:
+        raise OSError(38, f"{name}: unsupported architecture {os.uname().machine}")
+    return numbers[name]
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    """pivot_root(2)."""
+    number = _syscall_number("pivot_root")
+    result = _libc.syscall(number, _path(new_root), _path(put_old))
+    _check(result, f"pivot_root({new_root!r}, {put_old!r})")
+
+
+def mount_setattr(path: str, attr_set: int, *, recursive: bool = True) -> None:
+    """mount_setattr(2): set mount attributes on `path` (and every mount below it)."""
+    attr = _MountAttr(attr_set, 0, 0, 0)
+    flags = AT_RECURSIVE if recursive else 0
+    number = _syscall_number("mount_setattr")
+    result = _libc.syscall(
+        number,
+        ctypes.c_int(AT_FDCWD),
+        _path(path),
+        ctypes.c_uint(flags),
+        ctypes.byref(attr),
+        ctypes.c_size_t(_MOUNT_ATTR_SIZE_VER0),
+    )
+    _check(result, f"mount_setattr({path!r}, 0x{attr_set:x})")
