@@ -43,7 +43,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from egressbox.run import Prepared
+    from egressbox.runner.assemble import Prepared
 
 # Keep the module's top-level imports minimal: `--probe` times imports, and
 # anything imported here would make egressbox's own imports look cheaper.
@@ -77,7 +77,11 @@ def probe(profile: str) -> dict[str, float]:
     import egressbox.cli as cli
 
     mark("import_cli")
-    from egressbox.run import _cli_options, host_facts, prepare, spawn, supervise
+    from egressbox.cli.run import _cli_options
+    from egressbox.runner.assemble import prepare
+    from egressbox.runner.facts import host_facts
+    from egressbox.runner.spawn import spawn
+    from egressbox.runner.supervise import supervise
 
     argv = ["run", "--profile", profile, "--quiet", "--", "true"]
     args = cli.build_parser().parse_args(argv)
@@ -129,7 +133,7 @@ def probe(profile: str) -> dict[str, float]:
 
 def child_path(prepared: Prepared) -> float:
     """spawn() + waitpid with no proxy: the confined child's own critical path (warm)."""
-    from egressbox.run import spawn
+    from egressbox.runner.spawn import spawn
 
     began = time.perf_counter()
     launched = spawn(prepared)
@@ -349,7 +353,7 @@ def breakdown(
 # What the parent process of `egressbox run` imports, before and after the fork.
 PARENT_IMPORTS = (
     "egressbox.cli",
-    "egressbox.run",
+    "egressbox.runner.api",
     "egressbox.resolve",
     "egressbox.server",
     "egressbox.serve",

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from egressbox import cli
+from egressbox.cli.run import _cli_options
 from egressbox.confine.env import EnvPolicy
 from egressbox.confine.plan import DEFAULT_PRESETS, PRESETS, Profile
 from egressbox.errors import PolicyError
@@ -30,7 +31,7 @@ from egressbox.policy import (
     parse_policy,
 )
 from egressbox.policy import PRESETS as POLICY_PRESETS
-from egressbox.run import RunOptions, _cli_options, options_for
+from egressbox.runner.options import RunOptions, options_for
 
 FULL = {
     "process": {
@@ -479,7 +480,7 @@ def test_process_roots_from_the_table_flags_and_keywords_add_up() -> None:
 
 def test_process_roots_are_granted_but_hold_no_scratch_space(tmp_path: Path) -> None:
     from egressbox.confine.plan import HostFacts
-    from egressbox.run import prepare
+    from egressbox.runner.assemble import prepare
 
     workspace, cache, tools = tmp_path / "ws", tmp_path / "cache", tmp_path / "tools"
     for path in (workspace, cache, tools):

@@ -73,15 +73,18 @@ _EXPORTS = {
     "parse_policy": "egressbox.policy",
     "DnsResolver": "egressbox.resolve",
     "EgressProxy": "egressbox.server",
-    "run": "egressbox.run",
-    "run_sync": "egressbox.run",
-    "spawn_confined": "egressbox.run",
-    "RunResult": "egressbox.run",
+    "run": "egressbox.runner.api",
+    "run_sync": "egressbox.runner.api",
+    "spawn_confined": "egressbox.runner.api",
+    "ConfinedProcess": "egressbox.runner.api",
+    "RunResult": "egressbox.runner.options",
+    "RefusalRecord": "egressbox.confine.refusal",
     "Resolver": "egressbox.resolve",
 }
 
 __all__ = [
     "AuditRecord",
+    "ConfinedProcess",
     "Decision",
     "DnsResolver",
     "EgressProxy",
@@ -91,6 +94,7 @@ __all__ = [
     "Policy",
     "PolicyError",
     "Reason",
+    "RefusalRecord",
     "Resolver",
     "RunResult",
     "SelfEndpoints",
@@ -106,12 +110,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     from egressbox.audit import AuditRecord, JsonlFileSink
+    from egressbox.confine.refusal import RefusalRecord
     from egressbox.decide import Decision, SelfEndpoints
     from egressbox.egress import check
     from egressbox.errors import EgressboxError, PolicyError, Reason, Verdict
     from egressbox.policy import Mode, Policy, load_policy, parse_policy
     from egressbox.resolve import DnsResolver, Resolver
-    from egressbox.run import RunResult, run, run_sync, spawn_confined
+    from egressbox.runner.api import ConfinedProcess, run, run_sync, spawn_confined
+    from egressbox.runner.options import RunResult
     from egressbox.server import EgressProxy
 
 

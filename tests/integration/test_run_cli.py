@@ -31,7 +31,9 @@ import pytest
 import egressbox
 from egressbox import cli
 from egressbox.confine.plan import HOST_NEEDS, HostFacts, Mechanism, Profile
-from egressbox.run import RunOptions, RunRefusedError, host_facts, run_options_sync
+from egressbox.runner.api import run_options_sync
+from egressbox.runner.facts import host_facts
+from egressbox.runner.options import RunOptions, RunRefusedError
 from integration.unprivileged import Actor
 
 pytestmark = [
@@ -229,7 +231,7 @@ def test_os_hardened_refusal_on_the_command_line(
 ) -> None:
     # Refused before anything forks, so this runs in the test process.
     monkeypatch.setattr(
-        "egressbox.run.host_facts", lambda: _facts_without("landlock", landlock_abi=0)
+        "egressbox.runner.api.host_facts", lambda: _facts_without("landlock", landlock_abi=0)
     )
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "ran"
@@ -257,7 +259,8 @@ def test_worktree_is_best_effort_and_warns(tmp_path: Path) -> None:
         """
         import json, sys
         from egressbox.confine.plan import HostFacts, Profile
-        from egressbox.run import RunOptions, run_options_sync
+        from egressbox.runner.options import RunOptions
+        from egressbox.runner.api import run_options_sync
         names = ["landlock", "seccomp", "no_new_privs", "user_namespace", "network_namespace",
                  "mount_namespace", "pid_namespace", "close_range"]
         status = {n: "available" for n in names} | {"pid_namespace": "cannot_attach"}
@@ -453,7 +456,7 @@ def test_no_daemon_outlives_the_run(box: Box) -> None:
 
 LIBRARY_RUN = """
 import json, os, sys
-from egressbox.run import run_sync
+from egressbox.runner.api import run_sync
 
 def fds():
     found = {}

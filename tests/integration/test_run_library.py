@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 
 from egressbox.policy import Policy, parse_policy
-from egressbox.run import ConfinedProcess, RunResult, host_facts, run, spawn_confined
+from egressbox.runner.api import ConfinedProcess, run, spawn_confined
+from egressbox.runner.facts import host_facts
+from egressbox.runner.options import RunResult
 from egressbox.server import EgressProxy
 
 pytestmark = [

@@ -16,7 +16,9 @@ import pytest
 
 from egressbox.confine.plan import Enforcement, HostFacts, Profile
 from egressbox.policy import parse_policy
-from egressbox.run import RunOptions, host_facts, run_options_sync
+from egressbox.runner.api import run_options_sync
+from egressbox.runner.facts import host_facts
+from egressbox.runner.options import RunOptions
 
 NO_NAMESPACES = {
     "network_namespace": "cannot_attach",

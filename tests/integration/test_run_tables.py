@@ -22,7 +22,9 @@ import pytest
 
 from egressbox.confine.plan import CREDENTIALS, HostFacts, Profile, expand_user
 from egressbox.policy import parse_policy
-from egressbox.run import KILL_GRACE, host_facts, options_for, prepare
+from egressbox.runner.assemble import prepare
+from egressbox.runner.facts import host_facts
+from egressbox.runner.options import KILL_GRACE, options_for
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from egressbox.confine.plan import HostFacts
-from egressbox.run import _load_facts, _store_facts, host_facts
+from egressbox.runner.facts import _load_facts, _store_facts, host_facts
 from integration.unprivileged import CLEAN_PATH, invoking_actor, repo_root
 
 pytestmark = pytest.mark.skipif(

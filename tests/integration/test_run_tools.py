@@ -531,6 +531,38 @@ def test_pip_install_from_a_local_index(box: Box, origin: Origin, scheme: str) -
     assert (scheme, "/files/tinypkg-1.0-py3-none-any.whl") in origin.seen_since(mark)
 
 
+@pytest.mark.parametrize("scheme", ["https", "http"])
+def test_uv_pip_install_from_a_local_index(box: Box, origin: Origin, scheme: str) -> None:
+    uv = os.path.join(os.path.dirname(sys.executable), "uv")
+    if not os.access(uv, os.X_OK):
+        pytest.skip("uv is not installed beside this interpreter (the test extra installs it)")
+    url, protocol, port = target(origin, scheme, "/simple/")
+    mark = len(origin.requests)
+    box.run(
+        uv,
+        "pip",
+        "install",
+        "--no-cache",
+        "--python",
+        sys.executable,
+        "--index-url",
+        url,
+        "--target",
+        "t",
+        "tinypkg",
+    )
+    assert (box.workspace / "t" / "tinypkg" / "__init__.py").is_file()
+    assert allowed(protocol, port) in box.decisions()
+    assert (scheme, "/files/tinypkg-1.0-py3-none-any.whl") in origin.seen_since(mark)
+
+
+def test_a_test_runner_inside_run(box: Box) -> None:
+    tests = box.workspace / "test_inside.py"
+    tests.write_text("def test_ok():\n    assert 1 + 1 == 2\n", encoding="utf-8")
+    done = box.run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests))
+    assert "1 passed" in done.stdout, describe(done)
+
+
 def test_pip_denied_index_is_refused_with_403(box: Box, tripwire: Tripwire) -> None:
     index = f"https://localhost:{tripwire.port}/simple/"
     # pip logs why it could not fetch the index page only at -vv.

@@ -515,7 +515,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from egressbox.run import run_command
+    from egressbox.cli.run import run_command
 
     argv = list(args.cmd)
     if argv and argv[0] == "--":

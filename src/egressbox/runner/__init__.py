@@ -1,0 +1,11 @@
+"""The run side: a command confined behind its own managed proxy.
+
+    options    what a run is asked (RunOptions) and what it returns (RunResult)
+    facts      what the host supports, probed once and cached where no child can write
+    assemble   the launch plan, assembled from options and facts before the fork
+    spawn      fork the launcher, receive its listeners and what it applied
+    supervise  serve the proxy until the command exits; why a failure happened
+    api        run(), run_sync(), spawn_confined(), ConfinedProcess
+
+Importing this package imports none of them: `egressbox run` forks before asyncio loads.
+"""

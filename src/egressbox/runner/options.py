@@ -1,0 +1,246 @@
+"""What a confined run is asked to do: options, results, and the defaults they come from."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from egressbox.confine.env import (
+    EnvPolicy,
+)
+from egressbox.confine.plan import (
+    DEFAULT_PRESETS,
+    Enforcement,
+    Profile,
+    Refusal,
+    strictest,
+)
+from egressbox.errors import EgressboxError
+
+if TYPE_CHECKING:
+    from egressbox.audit import AuditRecord
+    from egressbox.confine.refusal import RefusalRecord
+    from egressbox.policy import Policy, RunSettings
+
+
+# How long the launcher may take to bind its listeners (measured: 34-50 ms).
+LAUNCHER_TIMEOUT = 10.0
+
+
+SCRATCH_DIR = ".egressbox"
+
+
+ENV_SANDBOX = "EGRESSBOX_SANDBOX"
+
+
+ENV_PROFILE = "EGRESSBOX_PROFILE"
+
+
+# --timeout: the run's exit code when it expires (as coreutils timeout), and
+# how long the command has after SIGTERM before it is killed.
+KILL_GRACE = 5.0
+
+
+# Tasks (processes and threads) in the child's PID namespace: a fork bomb stops there, and a
+# parallel build (cargo -j, a test runner's workers) stays far below it.
+DEFAULT_MAX_PROCESSES = 4096
+
+
+class RunRefusedError(EgressboxError):
+    """Confinement the profile requires is unavailable (exit 126)."""
+
+    def __init__(self, refusals: Sequence[Refusal], *, message: str = "") -> None:
+        self.refusals = list(refusals)
+        self.messages = [r.message() for r in self.refusals] + ([message] if message else [])
+        super().__init__("; ".join(self.messages))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    argv: tuple[str, ...]
+    policy: Policy | None
+    profile: Profile = Profile.WORKSPACE_PATHS
+    write_roots: tuple[str, ...] = ()
+    read_roots: tuple[str, ...] = ()
+    env_policy: EnvPolicy = EnvPolicy.INHERITED
+    grants: Mapping[str, str | None] = field(default_factory=dict)
+    allow_loopback: bool = False
+    pass_fds: tuple[int, ...] = ()
+    cwd: str | None = None
+    base_env: Mapping[str, str] | None = None
+    nameservers: tuple[tuple[str, int], ...] = ()
+    timeout: float | None = None  # seconds; then SIGTERM, SIGKILL after KILL_GRACE, exit 124
+    presets: tuple[str, ...] = DEFAULT_PRESETS
+    deny: tuple[str, ...] = ()  # read-denied paths beyond CREDENTIALS (`~` allowed)
+    rlimit_nofile: int | None = None
+    rlimit_as: int | None = None
+    # Granted to the command's tools (caches, state), never treated as workspaces.
+    process_read_roots: tuple[str, ...] = ()
+    process_write_roots: tuple[str, ...] = ()
+    # Directories whose unix sockets exist for the child (read-only binds).
+    unix_socket_roots: tuple[str, ...] = ()
+    # Files the host trusts (the policy file, the audit log): read-only or absent for the child.
+    trusted_files: tuple[str, ...] = ()
+    # Host-trusted paths in a writable root (HOST_TRUSTED) the child may write after all.
+    writable_trusted: tuple[str, ...] = ()
+    max_processes: int | None = DEFAULT_MAX_PROCESSES
+    max_memory: int | None = None  # None: half the host's memory, per process
+    # A run whose network boundary would be `none` refuses unless this is set.
+    allow_direct_network: bool = False
+
+
+@dataclass(frozen=True)
+class MechanismReport:
+    mechanism: str
+    enforcement: Enforcement
+    detail: str
+
+
+@dataclass(frozen=True)
+class RootReport:
+    """One granted root and its kind, as the launcher applies it."""
+
+    kind: str  # workspace | read | process_read | process_write | executable
+    path: str
+    detail: str
+
+
+ROOT_DETAIL = {
+    "workspace": "read+write; TMPDIR and tool caches live in the first one",
+    "read": "read-only",
+    "process_read": "read-only, for the command's tools; not a workspace",
+    "process_write": "read+write, for the command's tools; not a workspace (no TMPDIR, "
+    "caches or scratch directory)",
+    "executable": "read+execute: the command, its interpreter or venv",
+    "unix_socket": "read-only; its unix sockets may be connected to",
+}
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    records: list[AuditRecord]
+    report: list[MechanismReport]
+    refusal: RefusalRecord | None = None
+    stdout: bytes | None = None
+    stderr: bytes | None = None
+    warnings: list[str] = field(default_factory=list)
+    roots: list[RootReport] = field(default_factory=list)
+    created_trusted: list[str] = field(default_factory=list)
+
+
+def effective_profile(requested: Profile, env: Mapping[str, str]) -> Profile:
+    """Nesting picks the strictest of the requested and the inherited profile."""
+    inherited = env.get(ENV_PROFILE)
+    try:
+        outer = Profile(inherited) if inherited else None
+    except ValueError:
+        outer = None
+    return strictest(requested, outer)
+
+
+def options_for(
+    cmd: Sequence[str],
+    *,
+    policy: Policy | None,
+    profile: Profile | str | None = None,
+    write_roots: Sequence[str] = (),
+    read_roots: Sequence[str] = (),
+    process_read_roots: Sequence[str] = (),
+    process_write_roots: Sequence[str] = (),
+    env: EnvPolicy | str | None = None,
+    grants: Mapping[str, str | None] | None = None,
+    allow_loopback: bool = False,
+    pass_fds: Sequence[int] = (),
+    cwd: str | None = None,
+    base_env: Mapping[str, str] | None = None,
+    nameservers: Sequence[tuple[str, int]] = (),
+    timeout: float | None = None,
+    allow_direct_network: bool = False,
+    unix_socket_roots: Sequence[str] = (),
+) -> RunOptions:
+    """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined().
+
+    The policy's [process], [filesystem] and [env] tables are the defaults:
+    `profile`, `env` and `timeout` win over them, roots and grants add to them.
+    """
+    if not cmd:
+        raise ValueError("cmd must name a program")
+    return RunOptions(
+        argv=tuple(cmd),
+        policy=policy,
+        allow_loopback=allow_loopback,
+        allow_direct_network=allow_direct_network,
+        pass_fds=tuple(pass_fds),
+        cwd=cwd,
+        base_env=base_env,
+        nameservers=tuple(nameservers),
+        **with_settings(
+            policy.run_settings if policy is not None else None,
+            profile=profile,
+            env=env,
+            write_roots=write_roots,
+            read_roots=read_roots,
+            process_read_roots=process_read_roots,
+            process_write_roots=process_write_roots,
+            unix_socket_roots=unix_socket_roots,
+            grants=grants or {},
+            timeout=timeout,
+        ),
+    )
+
+
+def with_settings(
+    settings: RunSettings | None,
+    *,
+    profile: Profile | str | None,
+    env: EnvPolicy | str | None,
+    write_roots: Sequence[str],
+    read_roots: Sequence[str],
+    grants: Mapping[str, str | None],
+    timeout: float | None,
+    process_read_roots: Sequence[str] = (),
+    process_write_roots: Sequence[str] = (),
+    unix_socket_roots: Sequence[str] = (),
+    writable_trusted: Sequence[str] = (),
+) -> dict[str, Any]:
+    """RunOptions fields from the policy's run tables and the caller's choices.
+
+    The caller's profile, environment policy and timeout win; its roots come
+    first (the first writable root holds the scratch space) and its grants
+    override the table's for the same name.
+    """
+    if settings is None:
+        from egressbox.policy import RunSettings
+
+        settings = RunSettings()
+    process, fs, table_env = settings.process, settings.filesystem, settings.env
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be more than 0 seconds, got {timeout}")
+    return {
+        "profile": Profile(profile or process.profile or Profile.WORKSPACE_PATHS),
+        "env_policy": EnvPolicy(env or table_env.policy or EnvPolicy.INHERITED),
+        "write_roots": tuple(dict.fromkeys((*write_roots, *fs.write_roots))),
+        "read_roots": tuple(dict.fromkeys((*read_roots, *fs.read_roots))),
+        "process_read_roots": tuple(dict.fromkeys((*process_read_roots, *fs.process_read_roots))),
+        "process_write_roots": tuple(
+            dict.fromkeys((*process_write_roots, *fs.process_write_roots))
+        ),
+        "grants": dict(table_env.grant) | dict(grants),
+        "timeout": timeout if timeout is not None else process.timeout,
+        "presets": fs.presets,
+        "deny": fs.deny,
+        "rlimit_nofile": process.rlimit_nofile,
+        "rlimit_as": process.rlimit_as,
+        "unix_socket_roots": tuple(dict.fromkeys((*unix_socket_roots, *fs.unix_socket_roots))),
+        "writable_trusted": tuple(dict.fromkeys((*writable_trusted, *fs.writable_trusted))),
+        "max_processes": process.max_processes or DEFAULT_MAX_PROCESSES,
+        "max_memory": process.max_memory,
+    }
+
+
+def write_err(line: str) -> None:
+    sys.stderr.write(f"egressbox: {line}\n")
+    sys.stderr.flush()

@@ -1,0 +1,241 @@
+"""Fork the launcher, receive the listeners it bound in the child's namespace, and learn
+what it really applied (the report it sends just before exec)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from egressbox.confine import netns
+from egressbox.confine.plan import (
+    Enforcement,
+    Mechanism,
+)
+from egressbox.errors import EgressboxError
+from egressbox.exitcodes import EXIT_CANNOT_CONFINE
+from egressbox.runner.assemble import Prepared, applied_report
+from egressbox.runner.options import KILL_GRACE, LAUNCHER_TIMEOUT, RunOptions, write_err
+from egressbox.stderr_tee import (
+    StderrTee,
+    TerminalRelay,
+    open_stdio,
+)
+
+
+def confirm(prepared: Prepared, launched: Launched, options: RunOptions) -> None:
+    """Replace the planned report with what the launcher applied; say a gap on stderr."""
+    chosen = frozenset(Mechanism(m) for m in prepared.plan.mechanisms)
+    applied = launched.read_applied()
+    if applied is None:
+        return  # the command never ran: its exit code and message say why
+    prepared.report, prepared.network_boundary = applied_report(prepared.profile, chosen, applied)
+    gaps = [
+        row.mechanism
+        for row in prepared.report
+        if row.enforcement is not Enforcement.FULL
+        and row.mechanism != "network_boundary"
+        and not (options.allow_loopback and row.mechanism == Mechanism.LANDLOCK_NET.value)
+    ]
+    if gaps or prepared.network_boundary is not Enforcement.FULL:
+        line = (
+            f"confinement is partial: network boundary {prepared.network_boundary.value}; "
+            f"not applied: {', '.join(gaps) or '-'} (--report for details)"
+        )
+        prepared.warnings.append(line)
+        write_err(f"warning: {line}")
+
+
+@dataclass
+class Launched:
+    pid: int
+    listeners: list[socket.socket]
+    stdout_fd: int | None = None
+    stderr_fd: int | None = None
+    chan: socket.socket | None = None  # to the launcher, until go() or abandon()
+    # The command's stderr through us, or its new terminal relayed by us (None: neither).
+    tee: StderrTee | TerminalRelay | None = None
+    report_fd: int | None = None  # what the launcher applied, until read_applied()
+    applied: dict[str, Any] | None = None
+    # --timeout: when the next step is due (time.monotonic()), and whether it expired.
+    due: float | None = None
+    timeout: float | None = None
+    timed_out: bool = False
+
+    def start_timer(self, timeout: float | None) -> None:
+        if timeout is not None:
+            self.timeout = timeout
+            self.due = time.monotonic() + timeout
+
+    def expire(self) -> float | None:
+        """Send the timeout's signal when due (SIGTERM, then SIGKILL after KILL_GRACE).
+
+        Returns the seconds until the next step, None when none is pending.
+        Call it only while the launcher is not yet reaped (its pid is ours).
+        """
+        if self.due is None:
+            return None
+        left = self.due - time.monotonic()
+        if left > 0:
+            return left
+        if self.timed_out:
+            signum, self.due = signal.SIGKILL, None
+        else:
+            signum, self.due, self.timed_out = signal.SIGTERM, time.monotonic() + KILL_GRACE, True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signum)
+        return None if self.due is None else KILL_GRACE
+
+    def read_applied(self, timeout: float = LAUNCHER_TIMEOUT) -> dict[str, Any] | None:
+        """What the launcher applied, sent just before exec; None if it never got there."""
+        if self.report_fd is None:
+            return self.applied
+        import json
+        import select
+
+        data = b""
+        deadline = time.monotonic() + timeout
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([self.report_fd], [], [], left)[0]:
+                    break
+                chunk = os.read(self.report_fd, 65536)
+                if not chunk:
+                    break
+                data += chunk
+        except InterruptedError:
+            pass
+        finally:
+            os.close(self.report_fd)
+            self.report_fd = None
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(data) if data else None
+            self.applied = loaded if isinstance(loaded, dict) else None
+        return self.applied
+
+    def go(self) -> None:
+        """Let the launcher start the command."""
+        if self.chan is not None:
+            with contextlib.suppress(OSError):
+                self.chan.send(b"go")
+            self.chan.close()
+            self.chan = None
+
+    def abandon(self) -> None:
+        """The command must not start (say, a bad policy): stop the launcher."""
+        if self.chan is not None:
+            self.chan.close()
+            self.chan = None
+        for sock in self.listeners:
+            sock.close()
+        _kill_and_reap(self.pid)
+        self.stderr_tail()
+
+    def stderr_tail(self) -> bytes | None:
+        """Once the launcher has exited: the end of the command's stderr (bounded wait)."""
+        if self.tee is None:
+            return None
+        return self.tee.finish()
+
+    def forward(self, signum: int) -> None:
+        """Pass a signal on to the launcher (a new window size reaches the pty first)."""
+        if signum == signal.SIGWINCH and self.tee is not None:
+            self.tee.resize()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signum)
+
+
+class LaunchFailedError(EgressboxError):
+    def __init__(self, message: str, code: int = EXIT_CANNOT_CONFINE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
+    """Fork the launcher and receive the listeners it bound (or use the host's)."""
+    from egressbox.confine.launcher import launcher_main
+
+    parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # What the launcher applied arrives on this pipe just before exec, which closes it.
+    report_r, report_w = os.pipe()
+    plan = dataclasses.replace(prepared.plan, report_fd=report_w)
+    pipes = (os.pipe(), os.pipe()) if capture_output else None
+    # Not captured: the command's stderr still passes through us (refusal records). It never
+    # gets our terminal: a new pty takes the place of each of our std fds that is one.
+    tee = open_stdio(capture_output=capture_output)
+    if isinstance(tee, TerminalRelay):
+        plan = dataclasses.replace(plan, controlling_tty=True)
+    try:
+        pid = os.fork()
+    except BaseException:
+        if tee is not None:
+            tee.abandon()
+        os.close(report_r)
+        os.close(report_w)
+        raise
+    if pid == 0:  # the launcher
+        parent_chan.close()
+        os.close(report_r)
+        if pipes is not None:
+            os.dup2(pipes[0][1], 1)
+            os.dup2(pipes[1][1], 2)
+        if tee is not None:
+            for target, source in tee.child_fds().items():
+                os.dup2(source, target)
+            tee.close_in_child()
+        launcher_main(plan, child_chan.detach())
+    child_chan.close()
+    os.close(report_w)
+    if tee is not None:
+        tee.start()
+    out_fd = err_fd = None
+    if pipes is not None:
+        os.close(pipes[0][1])
+        os.close(pipes[1][1])
+        out_fd, err_fd = pipes[0][0], pipes[1][0]
+    try:
+        listeners = _receive(parent_chan, prepared)
+    except BaseException:
+        parent_chan.close()
+        os.close(report_r)
+        _kill_and_reap(pid)
+        if tee is not None:
+            tee.finish()
+        raise
+    parent_chan.settimeout(None)
+    launched = Launched(pid, listeners, out_fd, err_fd, parent_chan, tee=tee)
+    launched.report_fd = report_r
+    return launched
+
+
+def _receive(chan: socket.socket, prepared: Prepared) -> list[socket.socket]:
+    chan.settimeout(LAUNCHER_TIMEOUT)
+    try:
+        message, fds = netns.recv_message(chan)
+    except TimeoutError:
+        raise LaunchFailedError("the launcher did not start in time") from None
+    if message.get("event") == "refused":
+        raise LaunchFailedError(str(message.get("message", "confinement failed")))
+    if message.get("event") != "listening":
+        raise LaunchFailedError("the launcher ended before it was ready")
+    if not fds:
+        return prepared.host_listeners
+    listeners = [socket.socket(fileno=fd) for fd in fds]
+    own = netns.own_namespace_inode()
+    if any(netns.namespace_inode(s) == own for s in listeners):
+        for sock in listeners:
+            sock.close()
+        raise LaunchFailedError("the child's listeners are not in a private network namespace")
+    return listeners
+
+
+def _kill_and_reap(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)

@@ -1,0 +1,504 @@
+"""Serve a launched child's proxy until the command exits; judge why it failed.
+
+The proxy runs in this process (asyncio), the command in its namespaces; cancelling the run kills
+and reaps the whole tree and closes every descriptor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from egressbox.confine.launcher import LaunchPlan
+from egressbox.confine.plan import (
+    Mechanism,
+)
+from egressbox.exitcodes import EXIT_TIMEOUT
+from egressbox.runner.assemble import Prepared
+from egressbox.runner.options import RunOptions, RunResult
+from egressbox.runner.spawn import Launched, _kill_and_reap
+from egressbox.stderr_tee import (
+    DRAIN_TIMEOUT,
+    FINAL_READS,
+)
+
+if TYPE_CHECKING:
+    from egressbox.audit import AuditRecord, AuditSink
+    from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord
+    from egressbox.server import EgressProxy
+
+
+async def supervise(
+    launched: Launched,
+    options: RunOptions,
+    prepared: Prepared,
+    *,
+    audit: AuditSink | None = None,
+    log: Any = None,
+) -> RunResult:
+    """Serve the child's listeners until the launcher exits; return the result.
+
+    However the run ends, nothing of it outlives it: on cancellation, an
+    error, or its event loop closing under it, the launcher is killed (the
+    command's PID namespace with it) and reaped, the proxy closed and every
+    descriptor of the run released; then the exception goes on.
+    """
+    hold = _Hold(launched)
+    try:
+        hold.proxy = _make_proxy(launched, options, audit=audit, log=log)
+    except BaseException:
+        hold.abandon()
+        raise
+    return await _supervise(hold, prepared)
+
+
+def _make_proxy(
+    launched: Launched, options: RunOptions, *, audit: AuditSink | None = None, log: Any = None
+) -> EgressProxy:
+    """The proxy for the launcher's listeners (not started: _supervise() starts it)."""
+    from egressbox.resolve import DnsResolver
+    from egressbox.server import EgressProxy
+
+    http, socks = launched.listeners[0], launched.listeners[1]
+    for sock in launched.listeners:
+        sock.setblocking(False)
+    resolver = DnsResolver(list(options.nameservers)) if options.nameservers else None
+    return EgressProxy(
+        options.policy,
+        http_sockets=[http],
+        socks_sockets=[socks],
+        resolver=resolver,
+        audit=audit,
+        keep_records=True,
+        log=log,
+    )
+
+
+class _Hold:
+    """What a run holds until it ends; let go of once, whatever ends it."""
+
+    def __init__(self, launched: Launched, proxy: EgressProxy | None = None) -> None:
+        self.launched = launched
+        self.proxy = proxy
+        self.readers: list[_Collector] = []
+        self.reaped = False
+        self.released = False
+
+    def reap(self) -> int:
+        """The launcher has exited: reap it; its exit code as a shell reports it."""
+        _, status = os.waitpid(self.launched.pid, 0)
+        self.reaped = True
+        return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+    def stop(self) -> None:
+        """SIGKILL the launcher and its reaper and reap it; return once they are gone.
+
+        Only while it is unreaped: until then nobody else can have its pid.
+        """
+        if not self.reaped:
+            self.reaped = True
+            _kill_tree(self.launched.pid)
+            # Nobody reads what it applied now: close that pipe too.
+            self.launched.read_applied(0)
+
+    def release(self) -> None:
+        """Close the run's own descriptors (after the proxy let go of the listeners)."""
+        if self.released:
+            return
+        self.released = True
+        for reader in self.readers:
+            reader.close()
+        launched = self.launched
+        if not self.readers:  # torn down before _supervise made them
+            for fd in (launched.stdout_fd, launched.stderr_fd):
+                if fd is not None:
+                    os.close(fd)
+            launched.stdout_fd = launched.stderr_fd = None
+        launched.stderr_tail()
+        for sock in launched.listeners:
+            sock.close()  # served ones are closed already; unserved ones are not
+
+    def abandon(self) -> None:
+        """Tear the run down awaiting nothing: its loop is closing, or it never ran."""
+        if self.released:
+            return
+        self.stop()
+        if self.proxy is not None:
+            self.proxy.abort()
+        self.release()
+
+    def after(self, task: Any) -> None:
+        # A Task cancelled before its first step never ran _supervise's clean-up.
+        del task
+        self.abandon()
+
+
+# A run torn down (cancelled) waits at most this long for its killed PID namespace to
+# empty (milliseconds, unless a process is stuck in the kernel).
+TREE_GONE_TIMEOUT = 2.0
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the launcher and its children (the reaper, pid 1 of the command's PID
+    namespace), reap the launcher, and wait (bounded) for the children to be gone.
+
+    The reaper would die of its parent-death signal anyway, but only after we
+    returned: waiting on it means nothing of the command runs once the run is
+    torn down (when pid 1 of a namespace is gone, so is everything in it).
+    """
+    children = _child_pidfds(pid)
+    try:
+        for fd in children:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        _kill_and_reap(pid)
+        _wait_exited(children, TREE_GONE_TIMEOUT)
+    finally:
+        for fd in children:
+            os.close(fd)
+
+
+def _child_pidfds(pid: int) -> list[int]:
+    """pidfds on `pid`'s children (a child's pid stays its own while `pid` holds it)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            pids = [int(text) for text in f.read().split()]
+    except (OSError, ValueError):
+        return []  # no CONFIG_PROC_CHILDREN: the reaper's parent-death signal must do
+    fds = []
+    for child in pids:
+        with contextlib.suppress(OSError):
+            fds.append(os.pidfd_open(child))
+    return fds
+
+
+def _wait_exited(pidfds: Sequence[int], timeout: float) -> None:
+    import select
+
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    left = set(pidfds)
+    while left and (remaining := deadline - time.monotonic()) > 0:
+        with contextlib.suppress(InterruptedError):
+            for fd, _ in poller.poll(remaining * 1000):
+                left.discard(fd)
+                poller.unregister(fd)
+
+
+async def _supervise(hold: _Hold, prepared: Prepared) -> RunResult:
+    import asyncio
+
+    launched, proxy = hold.launched, hold.proxy
+    assert proxy is not None
+    loop = asyncio.get_running_loop()
+    try:
+        hold.readers = [_Collector(loop, fd) for fd in (launched.stdout_fd, launched.stderr_fd)]
+        await proxy.start()
+        await _wait_forwarding(loop, launched)
+        code = hold.reap()
+        outputs = await asyncio.gather(*(r.finish(DRAIN_TIMEOUT) for r in hold.readers))
+    except GeneratorExit:
+        # The coroutine is being finalized (its loop closed with the run in
+        # flight): nothing may be awaited any more.
+        hold.abandon()
+        raise
+    except BaseException:
+        hold.stop()
+        try:
+            await proxy.close(0)
+        finally:
+            hold.release()
+        raise
+    tail = launched.stderr_tail()
+    try:
+        await proxy.close(0)
+    finally:
+        hold.release()
+    stderr = outputs[1] if outputs[1] is not None else tail
+    result = _result(code, list(proxy.records), prepared, launched, stderr)
+    result.warnings = prepared.warnings
+    result.stdout, result.stderr = outputs
+    return result
+
+
+class _Collector:
+    """Reads a captured stream to its end; after the command exits, waits only so long
+    (a grandchild outside a PID namespace may hold the pipe open)."""
+
+    def __init__(self, loop: Any, fd: int | None) -> None:
+        self.loop = loop
+        self.fd = fd
+        self.chunks: list[bytes] = []
+        self.captured = fd is not None
+        self.done = loop.create_future()
+        if fd is None:
+            self.done.set_result(None)
+            return
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        assert self.fd is not None
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.chunks.append(data)
+            return
+        self.close()
+
+    async def finish(self, timeout: float) -> bytes | None:
+        import asyncio
+
+        if not self.captured:
+            return None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.done), timeout)
+        if self.fd is not None:  # still open: take what is there now, then let go
+            with contextlib.suppress(OSError):
+                for _ in range(FINAL_READS):
+                    data = os.read(self.fd, 65536)
+                    if not data:
+                        break
+                    self.chunks.append(data)
+            self.close()
+        return b"".join(self.chunks)
+
+    def close(self) -> None:
+        # Also from a coroutine being finalized after its loop closed, which
+        # refuses to schedule anything: the descriptor is closed regardless.
+        if self.fd is not None:
+            with contextlib.suppress(RuntimeError):
+                self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = None
+        if not self.done.done():
+            with contextlib.suppress(RuntimeError):
+                self.done.set_result(None)
+
+
+async def _wait_forwarding(loop: Any, launched: Launched) -> None:
+    """Wait until the launcher exits (pidfd; the caller reaps it), passing
+    SIGINT/SIGTERM/SIGHUP on to it."""
+    from egressbox.confine.launcher import FORWARDED
+
+    pid = launched.pid
+    timer: list[Any] = []
+
+    def expire() -> None:
+        delay = launched.expire()
+        if delay is not None:
+            timer[:] = [loop.call_later(delay, expire)]
+
+    def forward(signum: int) -> None:
+        launched.forward(signum)
+
+    installed = []
+    for signum in FORWARDED:
+        with contextlib.suppress(RuntimeError, ValueError):
+            loop.add_signal_handler(signum, forward, signum)
+            installed.append(signum)
+    pidfd = os.pidfd_open(pid)
+    exited = loop.create_future()
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    expire()
+    try:
+        await exited
+    finally:
+        # Also when the loop closed under the run (see _Collector.close).
+        for handle in timer:
+            handle.cancel()
+        with contextlib.suppress(RuntimeError):
+            loop.remove_reader(pidfd)
+        os.close(pidfd)
+        for signum in installed:
+            with contextlib.suppress(RuntimeError, ValueError):
+                loop.remove_signal_handler(signum)
+
+
+def classify_refusal(
+    records: Sequence[AuditRecord],
+    code: int,
+    stderr: bytes | None = None,
+    plan: PathPlan | None = None,
+    lookup: Callable[[str], HostPath] | None = None,
+) -> RefusalRecord:
+    """Which boundary most likely refused a failing child.
+
+    The proxy's denials come first (egress); then the command's own error
+    output (`stderr`, its tail) judged against the run's `plan`
+    (confine/refusal.py); no evidence: unknown.
+    """
+    from egressbox.confine.refusal import (
+        SOURCE_AUDIT,
+        Boundary,
+        RefusalRecord,
+        classify_output,
+    )
+
+    denied = [r for r in records if r.decision.value == "deny"]
+    if denied:
+        seen = dict.fromkeys(f"{r.host}:{r.port} ({r.reason.value})" for r in denied)
+        return RefusalRecord(Boundary.EGRESS, tuple(seen), source=SOURCE_AUDIT)
+    del code
+    if stderr and plan is not None:
+        text = stderr.decode("utf-8", "replace")
+        found = classify_output(text, plan, lookup or host_path)
+        if found is not None:
+            return found
+    return RefusalRecord(Boundary.UNKNOWN)
+
+
+def path_plan(prepared: Prepared) -> PathPlan:
+    """The filesystem side of the plan the launcher applied, for judging refusals."""
+    from egressbox.confine.refusal import PathPlan
+
+    plan = prepared.plan
+    mounts = plan.has(Mechanism.MOUNT_NAMESPACE)
+    landlock = plan.has(Mechanism.LANDLOCK_FS)
+    kernel: tuple[str, ...] = ()
+    if mounts and plan.uid == 0:
+        from egressbox.confine.world import KERNEL_READ_ONLY
+
+        kernel = KERNEL_READ_ONLY
+    return PathPlan(
+        homes=prepared.homes,
+        read=plan.read,
+        write=plan.write,
+        # Masks and nested read-only roots are mounts, or (without a mount
+        # namespace) Landlock grants that leave them out.
+        deny=(*plan.deny, *_etc_hidden()) if mounts else plan.deny if landlock else (),
+        read_only=plan.read_only_inside_write if mounts or landlock else (),
+        always_read_only=kernel,
+        # The constructed root: nothing of the host exists but the grants.
+        hidden=("/",) if mounts else (),
+        bound_back=_visible(plan) if mounts else (),
+        landlock_fs=landlock,
+        abstract_isolated=plan.has(Mechanism.NETWORK_NAMESPACE)
+        or plan.has(Mechanism.LANDLOCK_SCOPE),
+    )
+
+
+def _etc_hidden() -> list[str]:
+    """The /etc entries the child's view covers (walked again only when a run failed)."""
+    from egressbox.confine.world import unreadable_to_others
+
+    return unreadable_to_others("/etc")
+
+
+def _visible(plan: LaunchPlan) -> tuple[tuple[str, bool], ...]:
+    """What exists in the child's view, and whether it may be written there."""
+    from egressbox.confine.world import CONSTRUCTED
+
+    # The private /tmp, /var/tmp and /run are not the host's: a host path there is absent.
+    grants = plan.world.grants if plan.world is not None else ()
+    made = tuple((p, p not in ("/proc", "/sys")) for p in CONSTRUCTED)
+    return (*made, *((os.path.realpath(p), w) for p, w in grants))
+
+
+def host_path(path: str) -> HostPath:
+    """What the host says about a path the command named (stat only, never opened)."""
+    import stat
+
+    from egressbox.confine.refusal import HostPath
+
+    parent = os.path.isdir(os.path.dirname(path))
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return HostPath(False, parent_exists=parent)
+    return HostPath(
+        True,
+        is_socket=stat.S_ISSOCK(st.st_mode),
+        is_dir=stat.S_ISDIR(st.st_mode),
+        parent_exists=parent,
+        readable=_mode_allows_read(st),
+    )
+
+
+def _mode_allows_read(st: os.stat_result) -> bool:
+    # By the permission bits alone: a confined root keeps uid 0 but has no
+    # capabilities, so it cannot read another user's private files either.
+    import stat
+
+    if st.st_uid == os.geteuid():
+        return bool(st.st_mode & stat.S_IRUSR)
+    if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
+        return bool(st.st_mode & stat.S_IRGRP)
+    return bool(st.st_mode & stat.S_IROTH)
+
+
+def _exit_before_first_connection(launched: Launched) -> int | None:
+    """Wait (without asyncio) until the child connects or exits.
+
+    A command that never connects then never pays for starting the proxy;
+    one that does waits in the listen backlog for a few milliseconds.
+    """
+    import select
+
+    def forward(signum: int, _frame: object) -> None:
+        launched.forward(signum)
+
+    from egressbox.confine.launcher import FORWARDED
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    pidfd = os.pidfd_open(launched.pid)
+    try:
+        while True:
+            try:
+                watched = [pidfd, *(sock.fileno() for sock in launched.listeners)]
+                ready, _, _ = select.select(watched, [], [], launched.expire())
+                if ready:
+                    break
+            except InterruptedError:
+                continue
+    finally:
+        os.close(pidfd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if any(sock.fileno() in ready for sock in launched.listeners):
+        return None
+    _, status = os.waitpid(launched.pid, 0)
+    for sock in launched.listeners:
+        sock.close()
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _result(
+    code: int,
+    records: list[AuditRecord],
+    prepared: Prepared,
+    launched: Launched,
+    stderr: bytes | None = None,
+) -> RunResult:
+    if launched.timed_out:
+        from egressbox.confine.refusal import Boundary, RefusalRecord
+
+        result = RunResult(EXIT_TIMEOUT, records, prepared.report, roots=prepared.roots)
+        result.refusal = RefusalRecord(Boundary.TIMEOUT, timeout=launched.timeout)
+        return result
+    result = RunResult(code, records, prepared.report, roots=prepared.roots)
+    result.created_trusted = _created_trusted(prepared)
+    result.warnings = list(prepared.warnings) + result.created_trusted
+    if code != 0:
+        result.refusal = classify_refusal(records, code, stderr, path_plan(prepared))
+    return result
+
+
+def _created_trusted(prepared: Prepared) -> list[str]:
+    """Host-trusted files the command created: read-only binds need them to exist first."""
+    return [
+        f"the command created {path}, which the host trusts (it may run code at your next "
+        "git command, shell or editor start): review it before you use it"
+        for path in prepared.created_watch
+        if os.path.lexists(path)
+    ]
