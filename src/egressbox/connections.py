@@ -14,9 +14,9 @@ import contextlib
 import functools
 
 from egressbox.audit import AuditProtocol, AuditRecord
-from egressbox.decide import Decision, bad_target
+from egressbox.decide import Decision
 from egressbox.dial import DialError
-from egressbox.errors import AuditError, HostError, Reason, Verdict
+from egressbox.errors import AuditError, Reason, Verdict
 from egressbox.hosts import INVALID_HOST_TEXT
 from egressbox.protocols import http1, socks5
 from egressbox.replies import dial_http_status, dial_socks_code, http_status, socks_code
@@ -79,6 +79,12 @@ class HttpConnection(_Lingering):
         self.parser = http1.RequestHeadParser(state.limits.max_head_bytes)
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._received(data)
+        except Exception as exc:  # a bug must not leave the connection (and its slot) open
+            self._internal_error(exc)
+
+    def _received(self, data: bytes) -> None:
         if self.linger_received(data):
             return
         try:
@@ -104,13 +110,17 @@ class HttpConnection(_Lingering):
     async def bad_port(self, connect: bool) -> None:
         """A target port outside 1-65535 is a decision (bad_port), audited like any other."""
         self.protocol_name = AuditProtocol.CONNECT if connect else AuditProtocol.HTTP
-        message = "bad port: use a decimal number from 1 to 65535"
-        decision = bad_target(HostError(Reason.BAD_PORT, message))
-        try:
-            self.record(decision)
-        except AuditError:
-            decision = bad_target(HostError(Reason.AUDIT_UNAVAILABLE, "audit log unavailable"))
-        self.refuse(decision)
+        self.refuse(self.bad_port_decision())
+
+    def take_back(
+        self, transport: asyncio.Transport, head: http1.RequestHead, to_upstream: bytes
+    ) -> None:
+        """A CONNECT after plain requests the forwarder served: this protocol takes the
+        transport again and decides it (audited) like a first request."""
+        self.transport = transport
+        self.protocol_name = AuditProtocol.CONNECT
+        transport.set_protocol(self)
+        self.begin(head.host, head.port, to_upstream)
 
     def refuse(self, decision: Decision) -> None:
         self.log_refusal(decision)
@@ -136,6 +146,12 @@ class SocksConnection(_Lingering):
         self.machine = socks5.Socks5Server(state.socks_credentials)
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._received(data)
+        except Exception as exc:  # a bug must not leave the connection (and its slot) open
+            self._internal_error(exc)
+
+    def _received(self, data: bytes) -> None:
         if self.linger_received(data):
             return
         events = self.machine.feed(data)

@@ -93,17 +93,30 @@ class _Upstream(asyncio.Protocol):
         if peer:
             self.address = ipaddress.ip_address(str(peer[0]).partition("%")[0])
 
+    # Every callback is guarded: an exception here would close only this upstream
+    # transport and leave the client connection waiting on it forever.
+
     def data_received(self, data: bytes) -> None:
         self.received = True
-        self.owner.upstream_data(self, data)
+        try:
+            self.owner.upstream_data(self, data)
+        except Exception as exc:
+            self.owner.internal_error(exc)
 
     def eof_received(self) -> bool:
         self.eof = True
-        return self.owner.upstream_eof(self)
+        try:
+            return self.owner.upstream_eof(self)
+        except Exception as exc:
+            self.owner.internal_error(exc)
+            return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self.owner.upstream_lost(self)
+        try:
+            self.owner.upstream_lost(self)
+        except Exception as error:
+            self.owner.internal_error(error)
 
     def pause_writing(self) -> None:
         self.owner.upstream_blocked(self, True)
@@ -181,7 +194,20 @@ class Forwarder(asyncio.Protocol):
 
     # -- the client transport's protocol -------------------------------------------
 
+    def internal_error(self, exc: Exception) -> None:
+        """A bug in a callback: close this connection (its slot comes back), say it once."""
+        self.state.internal_error("http", exc)
+        self.phase = _Phase.CLOSED
+        self._cancel_timer()
+        self._end()
+
     def data_received(self, data: bytes) -> None:
+        try:
+            self._client_data(data)
+        except Exception as exc:
+            self.internal_error(exc)
+
+    def _client_data(self, data: bytes) -> None:
         phase = self.phase
         if phase is _Phase.HEAD:
             self._head_bytes(data)
@@ -205,6 +231,13 @@ class Forwarder(asyncio.Protocol):
             self._stash(data)
 
     def eof_received(self) -> bool:
+        try:
+            return self._client_eof()
+        except Exception as exc:
+            self.internal_error(exc)
+            return False
+
+    def _client_eof(self) -> bool:
         self.client_eof = True
         phase = self.phase
         if phase is _Phase.EXCHANGE and self.body is not None and not self.body.done:
@@ -233,8 +266,8 @@ class Forwarder(asyncio.Protocol):
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
-        self.state.connections.discard(self.conn)
         self.state.forwarders.discard(self)
+        self.conn.left()
 
     def target(self) -> OpenTarget | None:
         """What this connection is connected or being connected to (close_denied)."""
@@ -281,6 +314,11 @@ class Forwarder(asyncio.Protocol):
             self.parser = http1.RequestHeadParser(self.limits.max_head_bytes)
         try:
             head = self.parser.feed(data)
+        except http1.BadTargetPortError:
+            # A later request's target is decided as the first one's is: audited.
+            self.phase = _Phase.DECIDING
+            self._decided(self.conn.bad_port_decision())
+            return
         except http1.HttpError as exc:
             self._refuse(http1.error_reply(exc.status, "bad_request", str(exc)))
             return
@@ -296,6 +334,9 @@ class Forwarder(asyncio.Protocol):
 
     def _request(self, head: http1.RequestHead, pending: bytes) -> None:
         """Decide `head`, then send it upstream; `pending` is what the client sent after it."""
+        if head.kind is http1.RequestKind.CONNECT:
+            self._tunnel_instead(head, pending)
+            return
         self.phase = _Phase.DECIDING
         self.request = head
         self.pending = pending
@@ -307,6 +348,16 @@ class Forwarder(asyncio.Protocol):
             self._decided(decided)
         else:
             self._spawn(self._decide_later(head))
+
+    def _tunnel_instead(self, head: http1.RequestHead, pending: bytes) -> None:
+        """A CONNECT after a plain request (its response is complete: heads are read only
+        then): the connection goes back to the listener's own tunnel path, which decides
+        (audited) and answers it like a first request."""
+        self._cancel_timer()
+        self._drop_upstream()
+        self.phase = _Phase.CLOSED
+        self.state.forwarders.discard(self)
+        self.conn.take_back(self.client, head, pending)
 
     def _stash(self, data: bytes) -> None:
         self.pending += data
@@ -561,7 +612,8 @@ class Forwarder(asyncio.Protocol):
         pending, self.pending = self.pending, b""
         self.request = self.body = self.framer = self.decision = None
         self.phase = _Phase.HEAD
-        self._touch(self.limits.idle_timeout)  # a new request may take a while to come
+        # An idle kept-alive client holds a slot: the next request must come soon.
+        self._deadline_within(self.limits.keepalive_timeout)
         if pending:
             self._head_bytes(pending)
         if self.phase is _Phase.HEAD:
@@ -693,13 +745,17 @@ class Forwarder(asyncio.Protocol):
 
     def _on_timer(self) -> None:
         self.timer = None
-        if self.phase is _Phase.DECIDING or self.phase is _Phase.CLOSED:
-            return  # the decision and the dial have their own timeouts
+        if self.phase is _Phase.CLOSED:
+            return
+        # DECIDING too: the decision and the dial time out on their own well before
+        # this deadline, so reaching it means something hung: never wait forever.
         if self.loop.time() < self.deadline:
             self._arm(self.deadline)
             return
         if self.phase is _Phase.HEAD and self.request is None:
-            self.state.diagnostic("http: no further request within the timeout")
+            self.state.diagnostic("http: no further request within the keep-alive timeout")
+        elif self.phase is _Phase.DECIDING:
+            self.state.diagnostic("http: a decision or dial outlived its deadline")
         self._close_client()
 
 

@@ -22,6 +22,14 @@ HEAD_TIMEOUT = 10.0
 # enough for a slow build step's idle keep-alive, short enough to reclaim
 # slots abandoned by killed clients.
 IDLE_TIMEOUT = 300.0
+# A kept-alive client connection that sends no next request for this long is
+# closed: idle keep-alive connections hold slots (nginx's keepalive_timeout is
+# 75 s, squid's client_idle_pconn_timeout 2 min, HAProxy's examples 1-10 s; a
+# machine client that pauses longer than this reconnects cheaply).
+KEEPALIVE_TIMEOUT = 15.0
+# Connections one client address may hold at once (0: no cap beyond
+# max_connections): a single misbehaving client cannot take every slot.
+MAX_CONNECTIONS_PER_CLIENT = 0
 # Concurrent client connections; each costs two descriptors (client and
 # upstream) and a few KiB, so 4096 fits a default 20,000-fd hard limit.
 MAX_CONNECTIONS = 4096
@@ -38,6 +46,8 @@ class Limits:
     idle_timeout: float = IDLE_TIMEOUT
     max_connections: int = MAX_CONNECTIONS
     max_head_bytes: int = MAX_HEAD_BYTES
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT
+    max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT
 
 
 # Key -> (type, smallest allowed, largest allowed): the bounds keep a typo
@@ -49,6 +59,8 @@ LIMIT_BOUNDS: dict[str, tuple[type, float, float]] = {
     "idle_timeout": (float, 1.0, 86400.0),
     "max_connections": (int, 1, 1_000_000),
     "max_head_bytes": (int, 1024, 1024 * 1024),
+    "keepalive_timeout": (float, 0.1, 86400.0),
+    "max_connections_per_client": (int, 0, 1_000_000),
 }
 
 # DNS: a whole resolution (A and AAAA, every server, TCP fallback) must end

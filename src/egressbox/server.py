@@ -109,6 +109,10 @@ class ProxyState:
     # The loop the listeners run on, once started: on Python 3.11 every
     # asyncio.get_running_loop() costs a getpid() system call.
     loop: asyncio.AbstractEventLoop | None = None
+    # Open connections and tunnels per client address (for max_connections_per_client).
+    per_client: dict[str, int] = field(default_factory=dict)
+    # Bugs caught in a connection's callbacks (each closed that connection).
+    internal_errors: int = 0
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         return self.loop or asyncio.get_running_loop()
@@ -119,6 +123,26 @@ class ProxyState:
         instead of the process running into EMFILE."""
         capacity = min(self.limits.max_connections, self.fd_capacity)
         return len(self.connections) + len(self.tunnels) >= capacity
+
+    def client_opened(self, client: str) -> bool:
+        """Count a new connection from `client`; True when it is over the per-client cap."""
+        count = self.per_client.get(client, 0) + 1
+        self.per_client[client] = count
+        cap = self.limits.max_connections_per_client
+        return 0 < cap < count
+
+    def client_closed(self, client: str) -> None:
+        count = self.per_client.get(client, 0) - 1
+        if count > 0:
+            self.per_client[client] = count
+        else:
+            self.per_client.pop(client, None)
+
+    def internal_error(self, what: str, exc: BaseException) -> None:
+        """A bug caught in a connection's callback: counted, and said once on stderr (the
+        caller closes that connection, so its slot comes back)."""
+        self.internal_errors += 1
+        stderr_log(f"internal error on a {what} connection (closed it): {exc!r}")
 
     def emit(self, record: AuditRecord) -> None:
         """Write one audit record; on failure stop admitting anything (and say why)."""
@@ -186,19 +210,29 @@ class Connection(asyncio.Protocol):
         self.dialing: Dialing | None = None
         self.dialed: Decision | None = None  # what `dialing` was admitted by
         self.over_limit = False
+        self.client = ""  # the peer's address, counted in state.per_client until left()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport: cast, don't check.
         self.transport = cast(asyncio.Transport, transport)
         state = self.state
-        self.over_limit = state.over_limit()
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if peer else "-"
+        over_client = state.client_opened(self.client)
+        self.over_limit = state.over_limit() or over_client
         state.connections.add(self)
         # Slowloris: the whole head or handshake must arrive in time.
         self.timer = state.event_loop().call_later(state.limits.head_timeout, self.head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.state.connections.discard(self)
+        self.left()
         self.cancel_timer()
+
+    def left(self) -> None:
+        """The client connection is gone (from whichever protocol held it last)."""
+        if self in self.state.connections:
+            self.state.connections.discard(self)
+            self.state.client_closed(self.client)
 
     def cancel_timer(self) -> None:
         if self.timer is not None:
@@ -248,7 +282,7 @@ class Connection(asyncio.Protocol):
             self._internal_error(exc)
 
     def _internal_error(self, exc: Exception) -> None:
-        stderr_log(f"internal error on a {self.protocol_name} connection: {exc!r}")
+        self.state.internal_error(str(self.protocol_name), exc)
         self.abort()
 
     # -- the tunnel path: no Task unless the decision needs DNS -------------------
@@ -335,9 +369,10 @@ class Connection(asyncio.Protocol):
             transport.abort()
             return
         # The relay has the client's transport now (our connection_lost will
-        # not run): count it as a tunnel in the same step.
+        # not run): count it as a tunnel in the same step (its client's count goes
+        # with it, released when the tunnel ends).
         state.connections.discard(self)
-        _watch_tunnel(state, tunnel, self.protocol_name, decision)
+        _watch_tunnel(state, tunnel, self.protocol_name, decision, self.client)
         # Nothing of this Connection may stay reachable from the tunnel (idle
         # tunnel memory), and the tunnel must not keep it alive either.
         self.transport = None
@@ -380,6 +415,16 @@ class Connection(asyncio.Protocol):
             return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, self.state.audit_error or "")
         return decision
 
+    def bad_port_decision(self) -> Decision:
+        """A target port outside 1-65535 is a decision (bad_port), audited like any other."""
+        message = "bad port: use a decimal number from 1 to 65535"
+        decision = bad_target(HostError(Reason.BAD_PORT, message))
+        try:
+            self.record(decision)
+        except AuditError:
+            decision = bad_target(HostError(Reason.AUDIT_UNAVAILABLE, "audit log unavailable"))
+        return decision
+
     async def decide(self, host: str, port: int | str) -> Decision:
         """The decision for a target, audited before any reply goes out."""
         decided = self.decide_now(host, port)
@@ -420,10 +465,10 @@ def _soft_nofile() -> int:
 
 
 def _watch_tunnel(
-    state: ProxyState, tunnel: Tunnel, protocol: AuditProtocol, decision: Decision
+    state: ProxyState, tunnel: Tunnel, protocol: AuditProtocol, decision: Decision, client: str
 ) -> None:
     """Track the tunnel; untrack it and log its one diagnostic line when it ends."""
-    end = _TunnelEnd(state, tunnel, protocol, decision)
+    end = _TunnelEnd(state, tunnel, protocol, decision, client)
     state.tunnels[tunnel] = end
     tunnel.done.add_done_callback(end)
 
@@ -433,12 +478,28 @@ class _TunnelEnd:
     text), wait with an idle tunnel; the line is built only if someone reads it.
     They also tell close_denied() what the tunnel is connected to."""
 
-    __slots__ = ("addresses", "host", "port", "protocol", "reason", "state", "tunnel", "verdict")
+    __slots__ = (
+        "addresses",
+        "client",
+        "host",
+        "port",
+        "protocol",
+        "reason",
+        "state",
+        "tunnel",
+        "verdict",
+    )
 
     def __init__(
-        self, state: ProxyState, tunnel: Tunnel, protocol: AuditProtocol, decision: Decision
+        self,
+        state: ProxyState,
+        tunnel: Tunnel,
+        protocol: AuditProtocol,
+        decision: Decision,
+        client: str,
     ) -> None:
         self.state = state
+        self.client = client
         self.tunnel = tunnel
         self.protocol = protocol
         self.host = decision.host
@@ -454,6 +515,7 @@ class _TunnelEnd:
     def __call__(self, done: asyncio.Future[RelayStats]) -> None:
         state = self.state
         state.tunnels.pop(self.tunnel, None)
+        state.client_closed(self.client)
         if state.log is None:
             return
         stats = done.result()

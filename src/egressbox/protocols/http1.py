@@ -868,6 +868,8 @@ def forward_head(head: RequestHead, *, keep_alive: bool = False) -> bytes:
     if head.kind is not RequestKind.FORWARD or head.origin_target is None:
         raise ValueError("forward_head is for absolute-form requests, not CONNECT")
     fields = list(_strip_for_next_hop(head.headers, head.connection_tokens))
+    if head.body.kind is FramingKind.LENGTH:
+        fields = _canonical_length(fields, head.body.length)
     if not head.header("host"):
         fields.insert(0, ("Host", _host_value(head.authority)))
     if head.body.kind is FramingKind.CHUNKED:
@@ -878,6 +880,20 @@ def forward_head(head: RequestHead, *, keep_alive: bool = False) -> bytes:
     elif not keep_alive:
         fields.append(("Connection", "close"))
     return _serialize(f"{head.method} {head.origin_target} {HTTP_11}", fields)
+
+
+def _canonical_length(fields: list[tuple[str, str]], length: int) -> list[tuple[str, str]]:
+    """One Content-Length, in plain decimal, where the first one was: the parser accepted
+    `0005` or `5, 5` as 5, and the next hop must not read them any other way."""
+    out: list[tuple[str, str]] = []
+    seen = False
+    for name, value in fields:
+        if name.lower() != "content-length":
+            out.append((name, value))
+        elif not seen:
+            seen = True
+            out.append(("Content-Length", str(length)))
+    return out
 
 
 def _host_value(authority: Authority) -> str:
