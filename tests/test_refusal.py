@@ -387,3 +387,37 @@ def test_random_text_never_raises(text: str) -> None:
 @given(st.binary(max_size=2048))
 def test_random_bytes_never_raise(data: bytes) -> None:
     classify_output(data.decode("utf-8", "replace"), PLAN, _any_host)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "curl: (7) Failed to connect to 1.2.3.4 port 80: Couldn't connect to server\n",
+            "direct connection refused",
+        ),
+        ("curl: (6) Could not resolve host: example.com\n", "no name resolution inside run"),
+        (
+            "socket.gaierror: [Errno -3] Temporary failure in name resolution\n",
+            "no name resolution inside run",
+        ),
+        (
+            "    sock.connect(sa)\nPermissionError: [Errno 13] Permission denied\n",
+            "direct connection refused",
+        ),
+        ("Error: connect ECONNREFUSED 10.0.0.1:443\n", "direct connection refused"),
+    ],
+)
+def test_a_connection_made_without_the_proxy_names_the_proxy(text: str, expected: str) -> None:
+    from egressbox.confine.refusal import classify_direct
+
+    record = classify_direct(text, "127.0.0.1:1 (HTTP) and :2 (SOCKS5)")
+    assert record is not None and record.boundary == "egress"
+    assert expected in record.hint and "127.0.0.1:1" in record.hint
+
+
+def test_a_file_permission_error_is_no_direct_connection() -> None:
+    from egressbox.confine.refusal import classify_direct
+
+    assert classify_direct("cat: /etc/x: Permission denied\n", "p") is None
+    assert classify_direct("all good\n", "p") is None

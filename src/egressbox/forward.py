@@ -643,7 +643,7 @@ class Forwarder(asyncio.Protocol):
             self._end()  # part of the response went out: only closing is left
 
     def _log(self, decision: Decision) -> None:
-        if self.state.log is not None:
+        if self.state.log is not None and self.state.log_allowed:
             self.state.diagnostic(
                 f"http {format_authority(decision.host, decision.port)} "
                 f"{decision.verdict.value} {decision.reason.value} status={self.status}"

@@ -283,6 +283,20 @@ class RuleSet:
                 return found
         return None
 
+    def for_any_port(self, name: str, ip: IPAddress | None) -> list[Rule]:
+        """Rules that would match the host on some port (for a denial's explanation)."""
+        if ip is not None:
+            found = list(self._ips.get(ip, ()))
+            for rules in self._cidrs.lookup_all(ip):
+                found += rules
+            return found
+        found = list(self._names.get(name, ()))
+        dot = name.find(".")
+        while dot >= 0:
+            found += self._suffixes.get(name[dot + 1 :], ())
+            dot = name.find(".", dot + 1)
+        return found + self._any
+
 
 def _first_for_port(rules: list[Rule] | None, port: int) -> Rule | None:
     if rules:

@@ -85,6 +85,12 @@ def serve(options: ServeOptions) -> int:
     usage = usage_problem(options)
     if usage:
         return _fail(usage, EXIT_USAGE)
+    if _wildcard(options.listen):
+        stderr_log(
+            f"warning: --listen {options.listen} accepts connections from other hosts: "
+            "anyone who can reach this machine may use it as a proxy under this policy "
+            "(listen on 127.0.0.1 or a private address, or firewall the ports)"
+        )
     if options.report_only:
         policy = with_mode(policy, Mode.REPORT)
     if policy.mode is Mode.REPORT:
@@ -101,6 +107,12 @@ def serve(options: ServeOptions) -> int:
     finally:
         if audit is not None:
             audit.close()
+
+
+def _wildcard(listen: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(listen).is_unspecified
+    return False
 
 
 def usage_problem(options: ServeOptions) -> str:

@@ -113,6 +113,8 @@ class ProxyState:
     per_client: dict[str, int] = field(default_factory=dict)
     # Bugs caught in a connection's callbacks (each closed that connection).
     internal_errors: int = 0
+    # The diagnostic line of an allowed connection too (else refusals only).
+    log_allowed: bool = True
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         return self.loop or asyncio.get_running_loop()
@@ -516,7 +518,7 @@ class _TunnelEnd:
         state = self.state
         state.tunnels.pop(self.tunnel, None)
         state.client_closed(self.client)
-        if state.log is None:
+        if state.log is None or not state.log_allowed:
             return
         stats = done.result()
         state.diagnostic(
@@ -574,7 +576,10 @@ class EgressProxy:
         http_sockets: Sequence[socket.socket] = (),
         socks_sockets: Sequence[socket.socket] = (),
         limits: Limits | None = None,
+        log_allowed: bool = True,
     ) -> None:
+        """`log` gets one line per connection; with `log_allowed` False only refusals (the
+        audit records have everything)."""
         self.records: list[AuditRecord] = []
         if keep_records:
             on_record = _chain(self.records.append, on_record)
@@ -590,6 +595,7 @@ class EgressProxy:
             on_record=on_record,
             log=log,
             socks_credentials=socks_credentials,
+            log_allowed=log_allowed,
         )
         self._servers: list[asyncio.Server] = []
         self.listeners: list[Listener] = []
@@ -619,7 +625,14 @@ class EgressProxy:
         if given:
             return given
         port = self._ports[kind]
-        return [] if port is None else [bind_listener(self._listen, port)]
+        if port is None:
+            return []
+        try:
+            return [bind_listener(self._listen, port)]
+        except OSError as exc:
+            # Say which address: "Address already in use" alone does not.
+            where = format_authority(self._listen, port)
+            raise OSError(exc.errno, f"{kind} listener on {where}: {exc.strerror}") from None
 
     async def _serve(self, kind: str, sock: socket.socket, factory: type[Connection]) -> None:
         state = self.state

@@ -277,7 +277,15 @@ def _add_run(sub: Subparsers) -> None:
         action="store_true",
         help="print what each confinement mechanism enforced, on stderr",
     )
-    p.add_argument("--quiet", "-q", action="store_true", help="no per-connection lines")
+    p.add_argument(
+        "--quiet", "-q", action="store_true", help="no per-connection lines, not even refusals"
+    )
+    p.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="a line per allowed connection too (by default only refusals: the audit log has all)",
+    )
     _add_nameserver(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
@@ -416,8 +424,19 @@ def _summary(policy: Policy) -> str:
 # -- explain -------------------------------------------------------------------------
 
 
+# explain takes a URL too: its port defaults by scheme.
+URL_DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443, "ftp": 21, "ssh": 22}
+
+
 def split_target(text: str) -> tuple[str, str | int]:
-    """`HOST[:PORT]` for explain; a bare IPv6 address is accepted without brackets."""
+    """`HOST[:PORT]` or a URL for explain; a bare IPv6 address is accepted without brackets."""
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.isalpha():
+        authority = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+        url_host, url_port = split_target(authority)
+        default = URL_DEFAULT_PORTS.get(scheme.lower(), EXPLAIN_DEFAULT_PORT)
+        has_port = authority.rsplit("]", 1)[-1].count(":") == 1
+        return url_host, url_port if has_port else default
     try:
         from egressbox.hosts import split_authority
 

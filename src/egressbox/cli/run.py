@@ -67,6 +67,11 @@ def _cli_policy(args: Any) -> Policy | None:
     from egressbox.policy import load_policy_or_environment
 
     policy = load_policy_or_environment(args.policy)
+    if policy is None:
+        write_err(
+            "warning: no policy: every destination is denied "
+            "(pass --policy FILE, or set EGRESSBOX_ALLOW=host:port,...)"
+        )
     if policy is not None and args.report_only:
         from egressbox.policy import Mode
         from egressbox.suggest import with_mode
@@ -129,6 +134,7 @@ def _cli_options(
         pass_fds=tuple(args.pass_fd),
         nameservers=servers,
         trusted_files=trusted,
+        log_allowed=getattr(args, "verbose", False),
         **chosen,
     )
 

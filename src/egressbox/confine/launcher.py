@@ -296,14 +296,42 @@ def _reaper(
     prepared: Any,
     chan: socket.socket,
 ) -> int:
+    skeleton: dict[str, set[str]] = {}
     if plan.has(Mechanism.MOUNT_NAMESPACE):
         _mounts(plan)
+        skeleton = _private_tmp()
     chan.close()
     pid = os.fork()
     if pid == 0:
         _command(plan, env, ports, prepared)
     _close_report(plan)
-    return _supervise(pid, reap_all=plan.has(Mechanism.PID_NAMESPACE))
+    code = _supervise(pid, reap_all=plan.has(Mechanism.PID_NAMESPACE))
+    if plan.has(Mechanism.MOUNT_NAMESPACE):
+        _note_private_tmp(skeleton)
+    return code
+
+
+def _private_tmp() -> dict[str, set[str]]:
+    """What the private /tmp and /var/tmp hold: mount points of grants below them."""
+    found: dict[str, set[str]] = {}
+    for path in ("/tmp", "/var/tmp"):
+        with contextlib.suppress(OSError):
+            found[path] = set(os.listdir(path))
+    return found
+
+
+def _note_private_tmp(skeleton: dict[str, set[str]]) -> None:
+    """Say so when the command left files in its private /tmp: they end with the run, and
+    a user who wrote there expected to find them."""
+    left = [path for path, names in _private_tmp().items() if names - skeleton.get(path, set())]
+    if left:
+        with contextlib.suppress(OSError):
+            os.write(
+                2,
+                f"egressbox: note: the command left files in its private {' and '.join(left)}, "
+                "which end with the run; $TMPDIR (the workspace's .egressbox/tmp) keeps them, "
+                "or grant a directory with --write-root\n".encode(),
+            )
 
 
 def _close_report(plan: LaunchPlan) -> None:

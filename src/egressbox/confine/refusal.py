@@ -413,3 +413,53 @@ def classify_output(
         hint=last.hint,
         evidence=tuple(dict.fromkeys(f.line for f in same)),
     )
+
+
+# -- connections made without the proxy ------------------------------------------------------
+
+# What clients print when a connection or a name lookup fails (glibc, Python, curl, Go, Node,
+# Rust), matched case-insensitively: in the child's network namespace nothing but the proxy
+# exists, so a direct dial or a lookup is what fails.
+_DIRECT_TEXTS = (
+    "network is unreachable",
+    "connection refused",
+    "couldn't connect to server",
+    "no route to host",
+    "econnrefused",
+    "enetunreach",
+)
+_LOOKUP_TEXTS = (
+    "could not resolve host",
+    "temporary failure in name resolution",
+    "name or service not known",
+    "no address associated with hostname",
+    "enotfound",
+    "eai_again",
+    "dial tcp: lookup",
+    "failed to lookup address",
+)
+
+
+def classify_direct(text: str, proxy: str) -> RefusalRecord | None:
+    """A record for a command that dialled or resolved on its own, else None."""
+    lines = clean_lines(text[-TAIL_BYTES:])
+    dialled = any("connect" in line.lower() for line in lines[-20:])
+    for line in reversed(lines):
+        lowered = line.lower()
+        # Landlock refuses a connect to any other port with EACCES, which names no path.
+        bare = lowered.endswith("permission denied") and "/" not in line and "'" not in line
+        if bare and dialled:
+            lowered = "connection refused"
+        if any(t in lowered for t in _LOOKUP_TEXTS):
+            hint = (
+                f"no name resolution inside run: only the proxy at {proxy} is reachable, and it "
+                "resolves names itself; use the proxy variables set in the environment"
+            )
+            return RefusalRecord(Boundary.EGRESS, source=SOURCE_OUTPUT, hint=hint, evidence=(line,))
+        if any(t in lowered for t in _DIRECT_TEXTS):
+            hint = (
+                f"direct connection refused: only the proxy at {proxy} is reachable; "
+                "use the proxy variables set in the environment (http_proxy, ALL_PROXY...)"
+            )
+            return RefusalRecord(Boundary.EGRESS, source=SOURCE_OUTPUT, hint=hint, evidence=(line,))
+    return None

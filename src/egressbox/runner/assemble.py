@@ -118,6 +118,12 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         process_read_roots=process_read,
         process_write_roots=process_write,
     )
+    granted = (*write_roots, *read_roots, *process_read, *process_write)
+    warnings += [
+        f"{root} is on the credential deny list: it stays unreadable whatever is granted"
+        for root in granted
+        if any(is_under(root, denied) for denied in fs.deny)
+    ]
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()

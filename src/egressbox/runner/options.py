@@ -89,6 +89,8 @@ class RunOptions:
     max_memory: int | None = None  # None: half the host's memory, per process
     # A run whose network boundary would be `none` refuses unless this is set.
     allow_direct_network: bool = False
+    # One stderr line per allowed connection too (refusals are always said).
+    log_allowed: bool = False
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class Launched:
     # The command's stderr through us, or its new terminal relayed by us (None: neither).
     tee: StderrTee | TerminalRelay | None = None
     report_fd: int | None = None  # what the launcher applied, until read_applied()
+    proxy_text = ""  # where the proxy listens, as the child sees it (for refusal lines)
     applied: dict[str, Any] | None = None
     # --timeout: when the next step is due (time.monotonic()), and whether it expired.
     due: float | None = None
@@ -210,6 +211,8 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
     parent_chan.settimeout(None)
     launched = Launched(pid, listeners, out_fd, err_fd, parent_chan, tee=tee)
     launched.report_fd = report_r
+    http, socks = (s.getsockname()[1] for s in listeners[:2])
+    launched.proxy_text = f"{prepared.plan.proxy_host}:{http} (HTTP) and :{socks} (SOCKS5)"
     return launched
 
 

@@ -75,6 +75,7 @@ def _make_proxy(
         audit=audit,
         keep_records=True,
         log=log,
+        log_allowed=options.log_allowed,
     )
 
 
@@ -331,6 +332,8 @@ def classify_refusal(
     stderr: bytes | None = None,
     plan: PathPlan | None = None,
     lookup: Callable[[str], HostPath] | None = None,
+    *,
+    proxy: str = "",
 ) -> RefusalRecord:
     """Which boundary most likely refused a failing child.
 
@@ -342,6 +345,7 @@ def classify_refusal(
         SOURCE_AUDIT,
         Boundary,
         RefusalRecord,
+        classify_direct,
         classify_output,
     )
 
@@ -355,6 +359,10 @@ def classify_refusal(
         found = classify_output(text, plan, lookup or host_path)
         if found is not None:
             return found
+        if proxy:  # a private network namespace: the proxy is all there is
+            direct = classify_direct(text, proxy)
+            if direct is not None:
+                return direct
     return RefusalRecord(Boundary.UNKNOWN)
 
 
@@ -490,7 +498,8 @@ def _result(
     result.created_trusted = _created_trusted(prepared)
     result.warnings = list(prepared.warnings) + result.created_trusted
     if code != 0:
-        result.refusal = classify_refusal(records, code, stderr, path_plan(prepared))
+        proxy = launched.proxy_text if prepared.plan.has(Mechanism.NETWORK_NAMESPACE) else ""
+        result.refusal = classify_refusal(records, code, stderr, path_plan(prepared), proxy=proxy)
     return result
 
 
