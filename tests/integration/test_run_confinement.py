@@ -825,7 +825,7 @@ class Side:
             # No exec: the shell stays the probe's parent, whose pid is EB_PARENT.
             script = 'EB_PARENT=$$; export EB_PARENT; "$@"'
             return self.actor.command(["/bin/sh", "-c", script, "sh", *probe], env)
-        run = [*self.actor.egressbox, "run", "--policy", str(self.policy), "--report"]
+        run = [*self.actor.egressbox, "run", "--policy", str(self.policy), "--report", "-v"]
         run += ["--write-root", str(self.workspace), "--read-root", str(self.home)]
         run += ["--grant", "EB_PARENT"]
         if home_via == "grant":
@@ -1093,7 +1093,7 @@ def test_allowed_origin_is_reached_through_the_proxy(side: Side, client: str, de
     assert free[check].status == 200, _context(free)
     assert boxed[check].status == 200, _context(boxed)
     assert f"/{boxed.tokens[check]}" in side.lab.allowed.paths
-    # The request went through the proxy: it logged the destination.
+    # The request went through the proxy: it logged the destination (run -v).
     assert f"127.0.0.1:{side.lab.allowed.port}" in boxed.stderr, _context(boxed)
 
 

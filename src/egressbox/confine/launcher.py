@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
 from egressbox.confine import netns
-from egressbox.confine.plan import Mechanism
-from egressbox.confine.world import WorldSpec
+from egressbox.confine.plan import Mechanism, WorldSpec
 from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 
 # Signals the launcher and the reaper pass on to the command.

@@ -396,3 +396,33 @@ def expand_excluding(
         if not is_link(child):
             granted += expand_excluding(child, inside, listdir, is_link)
     return granted
+
+
+# -- the child's world (applied by confine/world.py) --------------------------------------
+
+# Private tmpfs sizes: /tmp and /var/tmp get what a build's temporary files need without
+# letting one run fill the host's memory (tmpfs pages are memory).
+DEFAULT_TMP_SIZE = "2g"
+DEFAULT_SHM_SIZE = "256m"
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """What exists for the child. Every path must be absolute."""
+
+    # (path, writable): system runtime, presets, roots, the command's executable and venv.
+    grants: tuple[tuple[str, bool], ...]
+    # Inside writable grants, bound read-only onto themselves (host-trusted files).
+    read_only: tuple[str, ...] = ()
+    # Inside grants, covered by an empty placeholder (credential stores).
+    mask: tuple[str, ...] = ()
+    # Directories whose unix sockets (and other entries) the child may use, read-only.
+    socket_roots: tuple[str, ...] = ()
+    # Made (with a self-ignoring .gitignore in the first one's parent) inside the view.
+    scratch: tuple[str, ...] = ()
+    cwd: str = "/"
+    new_proc: bool = True
+    protect_kernel: bool = True
+    max_processes: int | None = None
+    tmp_size: str = DEFAULT_TMP_SIZE
+    shm_size: str = DEFAULT_SHM_SIZE

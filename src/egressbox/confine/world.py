@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from egressbox.confine import syscalls
+from egressbox.confine.plan import WorldSpec
 from egressbox.confine.syscalls import (
     MNT_DETACH,
     MOUNT_ATTR_NODEV,
@@ -70,8 +71,6 @@ KERNEL_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus"
 ROOT_SIZE = "4m"
 DEV_SIZE = "64k"
 RUN_SIZE = "16m"
-DEFAULT_TMP_SIZE = "2g"
-DEFAULT_SHM_SIZE = "256m"
 # The kernel refuses a pid_max below this in any PID namespace (PID_MAX_MIN).
 PID_MAX_MIN = 301
 # Where the new root is assembled: any directory of this private namespace that is sure to
@@ -87,28 +86,6 @@ _BIND_ATTRS = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
 _MAX_LINKS = 40
 _EMPTY_FILE = "/.egressbox-empty-file"
 _EMPTY_DIR = "/.egressbox-empty-dir"
-
-
-@dataclass(frozen=True)
-class WorldSpec:
-    """What exists for the child. Every path must be absolute."""
-
-    # (path, writable): system runtime, presets, roots, the command's executable and venv.
-    grants: tuple[tuple[str, bool], ...]
-    # Inside writable grants, bound read-only onto themselves (host-trusted files).
-    read_only: tuple[str, ...] = ()
-    # Inside grants, covered by an empty placeholder (credential stores).
-    mask: tuple[str, ...] = ()
-    # Directories whose unix sockets (and other entries) the child may use, read-only.
-    socket_roots: tuple[str, ...] = ()
-    # Made (with a self-ignoring .gitignore in the first one's parent) inside the view.
-    scratch: tuple[str, ...] = ()
-    cwd: str = "/"
-    new_proc: bool = True
-    protect_kernel: bool = True
-    max_processes: int | None = None
-    tmp_size: str = DEFAULT_TMP_SIZE
-    shm_size: str = DEFAULT_SHM_SIZE
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from egressbox.confine.plan import (
     Mechanism,
     Profile,
     Refusal,
+    WorldSpec,
     choose_mechanisms,
     expand_user,
     host_trusted,
@@ -40,7 +41,6 @@ from egressbox.confine.plan import (
     plan_filesystem,
     wanted,
 )
-from egressbox.confine.world import WorldSpec
 from egressbox.errors import EgressboxError
 from egressbox.runner.facts import _cache_dir, _compiled_seccomp
 from egressbox.runner.options import (
