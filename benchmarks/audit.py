@@ -6,6 +6,8 @@
 Write side:
   sink              one thread writing records into a JsonlFileSink (one write(2) each),
                     without and with rotation (--rotate-mb, keep 3);
+  sink, line path   the proxy's own path per decision: decision_line (the record's line,
+                    no record object) then write_json, one thread;
   sink threads      --threads threads sharing one sink (the lock and the GIL in play);
   sink processes    --processes processes, each with its own sink on the same file
                     (O_APPEND: the kernel orders the lines);
@@ -56,6 +58,7 @@ from egressbox.audit import (
     AuditProtocol,
     AuditRecord,
     JsonlFileSink,
+    decision_line,
     read_records,
     summarize,
 )
@@ -122,10 +125,28 @@ def bench_sink(
     return Row(name, len(records), seconds, note)
 
 
+def bench_line_path(directory: str, records: Sequence[AuditRecord]) -> Row:
+    """decision_line + write_json per record: what the proxy does for each decision."""
+    path = os.path.join(directory, "line-path.jsonl")
+    fields = [(r.protocol, r.host, r.port, r.decision, r.reason) for r in records]
+    clock = time.time_ns
+    with JsonlFileSink(path) as sink:
+        write = sink.write_json
+        start = time.perf_counter()
+        for protocol, host, port, verdict, reason in fields:
+            line = decision_line(protocol, host, port, verdict, reason, now_ns=clock())
+            if line is None:
+                raise SystemExit(f"decision_line refused {host!r}")
+            write(line)
+        seconds = time.perf_counter() - start
+    return Row("sink, line path", len(records), seconds, "decision_line + write_json")
+
+
 def bench_sinks(directory: str, args: argparse.Namespace) -> list[Row]:
     records = sample_records(args.records)
     return [
         bench_sink(directory, records, None, "sink, 1 thread"),
+        bench_line_path(directory, records),
         bench_sink(directory, records, args.rotate_mb * 2**20, "sink, 1 thread, rotating"),
         bench_threads(directory, records, args.threads),
         bench_processes(directory, args.records, args.processes),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import ipaddress
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -16,13 +17,16 @@ from hypothesis import strategies as st
 
 from egressbox import addresses
 from egressbox.addresses import (
+    METADATA_ENDPOINTS,
     PRIVATE_LIKE,
     ROUTABLE,
+    SPECIAL_PURPOSE,
     TABLE,
     Category,
     EmbedKind,
     Range,
     embedded_ipv4,
+    is_metadata,
     is_routable,
     lookup,
     reason_for,
@@ -125,7 +129,10 @@ SPOT_CHECKS: list[tuple[str, Category]] = [
     ("100.128.0.0", C.GLOBAL),
     ("127.0.0.1", C.LOOPBACK),
     ("127.255.255.255", C.LOOPBACK),
-    ("169.254.169.254", C.LINK_LOCAL),
+    ("169.254.0.0", C.LINK_LOCAL),
+    ("169.254.169.254", C.METADATA),  # a class of its own inside link-local
+    ("169.254.169.255", C.LINK_LOCAL),
+    ("169.254.255.255", C.LINK_LOCAL),
     ("169.253.255.255", C.GLOBAL),
     ("169.255.0.0", C.GLOBAL),
     ("172.15.255.255", C.GLOBAL),
@@ -412,6 +419,7 @@ REASONS: dict[Category, Reason] = {
     C.RESERVED: Reason.SPECIAL_ADDRESS,
     C.DISCARD: Reason.SPECIAL_ADDRESS,
     C.IPV4_EMBEDDING: Reason.SPECIAL_ADDRESS,
+    C.METADATA: Reason.METADATA_ADDRESS,
 }
 
 
@@ -430,7 +438,10 @@ def test_reason_for(category: Category, reason: Reason) -> None:
         ("127.0.0.1", Reason.PRIVATE_ADDRESS),
         ("10.1.2.3", Reason.PRIVATE_ADDRESS),
         ("100.64.0.1", Reason.PRIVATE_ADDRESS),
-        ("169.254.169.254", Reason.PRIVATE_ADDRESS),
+        ("169.254.1.1", Reason.PRIVATE_ADDRESS),
+        ("169.254.169.254", Reason.METADATA_ADDRESS),
+        ("100.100.100.200", Reason.METADATA_ADDRESS),
+        ("fd00:ec2::254", Reason.METADATA_ADDRESS),
         ("fec0::1", Reason.PRIVATE_ADDRESS),
         ("fd00::1", Reason.PRIVATE_ADDRESS),
         ("fe80::1", Reason.PRIVATE_ADDRESS),
@@ -557,3 +568,178 @@ def test_teredo_yields_server_and_inverted_client(
     ip = V6(value)
     assert set(embedded_ipv4(ip)) == {(K.TEREDO_SERVER, server), (K.TEREDO_CLIENT, client)}
     assert lookup(ip).category is C.TUNNEL
+
+
+# --------------------------------------------------------------------------
+# Cloud metadata endpoints: a class of their own
+# --------------------------------------------------------------------------
+
+# Written out here, independently of METADATA_ENDPOINTS, with the range each
+# address would fall in without its own entry: the table must be exactly this.
+METADATA_EXPECTED: dict[str, Category] = {
+    "169.254.169.254": C.LINK_LOCAL,  # AWS/GCP/Azure/OCI/OpenStack/DO... IMDS
+    "169.254.169.253": C.LINK_LOCAL,  # AWS VPC DNS resolver
+    "169.254.170.2": C.LINK_LOCAL,  # AWS ECS task metadata / credentials
+    "169.254.170.23": C.LINK_LOCAL,  # AWS EKS Pod Identity Agent
+    "169.254.0.23": C.LINK_LOCAL,  # Tencent Cloud
+    "169.254.42.42": C.LINK_LOCAL,  # Scaleway
+    "100.100.100.200": C.SHARED,  # Alibaba Cloud, inside CGNAT
+    "168.63.129.16": C.GLOBAL,  # Azure WireServer, publicly routed
+    "192.0.0.192": C.PROTOCOL_ASSIGNMENTS,  # Oracle Cloud Compute Classic
+    "fd00:ec2::254": C.PRIVATE,  # AWS IMDS IPv6, a ULA
+    "fd00:ec2::253": C.PRIVATE,  # AWS VPC DNS IPv6
+    "fd00:ec2::23": C.PRIVATE,  # AWS EKS Pod Identity IPv6
+    "fd20:ce::254": C.PRIVATE,  # GCP metadata IPv6
+    "fd00:a9fe:a9fe::1": C.PRIVATE,  # Akamai/Linode metadata IPv6
+    "fd00:42::42": C.PRIVATE,  # Scaleway IPv6
+    "fe80::a9fe:a9fe": C.LINK_LOCAL,  # OpenStack metadata IPv6
+}
+METADATA_V4 = [V4(text) for text in METADATA_EXPECTED if ":" not in text]
+
+
+def test_metadata_table_is_exactly_the_documented_endpoints() -> None:
+    assert TABLE == SPECIAL_PURPOSE + METADATA_ENDPOINTS
+    listed = {entry.network for entry in METADATA_ENDPOINTS}
+    assert len(listed) == len(METADATA_ENDPOINTS)
+    assert listed == {ipaddress.ip_network(text) for text in METADATA_EXPECTED}
+    for entry in METADATA_ENDPOINTS:
+        assert entry.category is C.METADATA
+        assert entry.network.num_addresses == 1, "single addresses only, never a range"
+        assert entry.name
+    assert not any(entry.category is C.METADATA for entry in SPECIAL_PURPOSE)
+
+
+@pytest.mark.parametrize(("text", "underneath"), METADATA_EXPECTED.items())
+def test_every_metadata_endpoint_is_classified_metadata(text: str, underneath: Category) -> None:
+    ip = _ip(text)
+    assert lookup(ip).category is C.METADATA
+    assert is_metadata(ip)
+    assert reason_for(lookup(ip).category) is Reason.METADATA_ADDRESS
+    assert not is_routable(C.METADATA)
+    # Without its own entry the address would be in this range: the registries only.
+    special = [e for e in SPECIAL_PURPOSE if e.network.version == ip.version and ip in e.network]
+    assert max(special, key=lambda e: e.network.prefixlen).category is underneath
+    # Its neighbours are ordinary members of that range.
+    for value in (int(ip) - 1, int(ip) + 1):
+        neighbour = _from_int(ip.version, value)
+        if str(neighbour) not in METADATA_EXPECTED:
+            assert lookup(neighbour).category is not C.METADATA, neighbour
+            assert not is_metadata(neighbour), neighbour
+
+
+# Every IPv6 form the decision unwraps, built here from the RFC layouts.
+def mapped(v4: V4) -> V6:
+    return V6((0xFFFF << 32) | int(v4))
+
+
+def compatible(v4: V4) -> V6:
+    return V6(int(v4))
+
+
+def translated(v4: V4) -> V6:
+    return V6((0xFFFF_0000 << 32) | int(v4))
+
+
+def nat64(v4: V4) -> V6:
+    return V6((0x0064_FF9B << 96) | int(v4))
+
+
+def nat64_local_96(v4: V4, operator_bits: int = 0) -> V6:
+    return V6((0x0064_FF9B_0001 << 80) | (operator_bits << 32) | int(v4))
+
+
+def nat64_local_48(v4: V4, suffix: int = 0) -> V6:
+    high, low = int(v4) >> 16, int(v4) & 0xFFFF
+    return V6((0x0064_FF9B_0001 << 80) | (high << 64) | (low << 40) | suffix)
+
+
+def six_to_four(v4: V4, low: int = 0) -> V6:
+    return V6((0x2002 << 112) | (int(v4) << 80) | low)
+
+
+def teredo_server(v4: V4, rest: int = 0) -> V6:
+    return V6((0x2001_0000 << 96) | (int(v4) << 64) | rest)
+
+
+def teredo_client(v4: V4, server: int = 0, flags_port: int = 0) -> V6:
+    return V6((0x2001_0000 << 96) | (server << 64) | (flags_port << 32) | (int(v4) ^ 0xFFFF_FFFF))
+
+
+WRAPPERS = [
+    mapped,
+    compatible,
+    translated,
+    nat64,
+    nat64_local_96,
+    nat64_local_48,
+    six_to_four,
+    teredo_server,
+    teredo_client,
+]
+
+
+@pytest.mark.parametrize("v4", METADATA_V4, ids=str)
+@pytest.mark.parametrize("wrap", WRAPPERS, ids=lambda w: w.__name__)
+def test_metadata_is_seen_through_every_wrapper(v4: V4, wrap: Callable[[V4], V6]) -> None:
+    wrapped = wrap(v4)
+    assert lookup(wrapped).category is not C.METADATA  # the wrapper is judged on its own...
+    assert is_metadata(wrapped)  # ...and the address it carries as metadata
+    assert any(
+        inner == v4 and lookup(inner).category is C.METADATA for _, inner in embedded_ipv4(wrapped)
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "::ffff:169.254.169.254",
+        "64:ff9b::a9fe:a9fe",
+        "2002:a9fe:a9fe::1",
+        "::ffff:100.100.100.200",
+        "64:ff9b::a83f:8110",  # NAT64 of 168.63.129.16
+        "2001:0:808:808::5601:5601",  # Teredo, client 169.254.169.254 inverted
+    ],
+)
+def test_metadata_spelled_as_wrappers(text: str) -> None:
+    assert is_metadata(_ip(text))
+
+
+# Each wrapper with its free bits (6to4's site bits, Teredo's server, flags
+# and port, the operator's bits of a local NAT64 prefix) taken from `bits`.
+FILLED_WRAPPERS: dict[str, Callable[[V4, int], V6]] = {
+    "mapped": lambda v4, _: mapped(v4),
+    "compatible": lambda v4, _: compatible(v4),
+    "translated": lambda v4, _: translated(v4),
+    "nat64": lambda v4, _: nat64(v4),
+    "nat64_local_96": lambda v4, bits: nat64_local_96(v4, bits & (2**48 - 1)),
+    "nat64_local_48": lambda v4, bits: nat64_local_48(v4, bits & (2**40 - 1)),
+    "6to4": lambda v4, bits: six_to_four(v4, bits & (2**80 - 1)),
+    "teredo_server": lambda v4, bits: teredo_server(v4, bits & (2**64 - 1)),
+    "teredo_client": lambda v4, bits: teredo_client(
+        v4, (bits >> 32) & 0xFFFF_FFFF, bits & 0xFFFF_FFFF
+    ),
+}
+
+
+@settings(max_examples=1000)
+@given(
+    st.sampled_from(METADATA_V4),
+    st.sampled_from(sorted(FILLED_WRAPPERS)),
+    st.integers(0, 2**128 - 1),
+)
+def test_property_every_wrapped_metadata_ipv4_is_metadata(v4: V4, form: str, bits: int) -> None:
+    wrapped = FILLED_WRAPPERS[form](v4, bits)
+    assert is_metadata(wrapped), wrapped
+    assert (v4, C.METADATA) in {
+        (inner, lookup(inner).category) for _, inner in embedded_ipv4(wrapped)
+    }
+
+
+@settings(max_examples=500)
+@given(v4_addresses)
+def test_property_no_other_ipv4_is_metadata_in_any_wrapper(v4: V4) -> None:
+    if v4 in METADATA_V4:
+        return
+    assert not is_metadata(v4)
+    for wrap in (mapped, translated, nat64, nat64_local_96, nat64_local_48, six_to_four):
+        assert not is_metadata(wrap(v4)), wrap.__name__

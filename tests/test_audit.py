@@ -5,6 +5,7 @@ Files are real (tmp_path); concurrency and crash tests use real child processes.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gzip
 import json
@@ -323,28 +324,98 @@ def test_each_record_is_exactly_one_whole_write(
     assert calls == [line_of(make(port=port)).encode() for port in (1, 2, 3)]
 
 
-def test_short_write_then_next_line_starts_fresh(
+def short_writes(monkeypatch: pytest.MonkeyPatch, *budget: int) -> None:
+    """os.write lands only the first budget[i] bytes of its i-th call (then all)."""
+    real_write = os.write
+    left = list(budget)
+
+    def flaky(fd: int, data: bytes) -> int:
+        return real_write(fd, data[: left.pop(0)] if left else data)
+
+    monkeypatch.setattr(os, "write", flaky)
+
+
+def test_a_short_writes_fragment_is_blanked_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "audit.jsonl"
-    real_write = os.write
-    budget = [10, 0]  # first call: 10 bytes land; second (the repair newline): disk full
+    with JsonlFileSink(path) as sink:
+        sink.write(make(port=1))
+        short_writes(monkeypatch, 10)
+        with pytest.raises(AuditError, match=r"short write of audit record to .*: 10 of"):
+            sink.write(make(port=2))
+        # The 10 bytes are spaces now; the next record follows them on their line.
+        assert path.read_text() == line_of(make(port=1)) + " " * 10
+        assert list(read_records(path)) == [make(port=1)]  # trailing spaces: no tear
+        sink.write(make(port=3))
+    assert path.read_text() == line_of(make(port=1)) + " " * 10 + line_of(make(port=3))
+    assert records_only(read_records(path)) == [make(port=1), make(port=3)]
 
-    def flaky(fd: int, data: bytes) -> int:
-        if budget:
-            allowed = budget.pop(0)
-            if allowed == 0:
-                raise OSError(28, "No space left on device")
-            return real_write(fd, data[:allowed])
-        return real_write(fd, data)
+
+def test_a_fragment_is_blanked_after_what_others_appended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another writer appends between our short write and its repair: only our bytes change.
+    path = tmp_path / "audit.jsonl"
+    other = JsonlFileSink(path)
+    real_blank = audit._blank
+
+    def blank_later(fd: int, fragment: bytes, offset: int) -> bool:
+        other.write(make(port=7))
+        return real_blank(fd, fragment, offset)
 
     with JsonlFileSink(path) as sink:
-        monkeypatch.setattr(os, "write", flaky)
-        with pytest.raises(AuditError, match=r"short write of audit record to .*: 10 of"):
+        monkeypatch.setattr(audit, "_blank", blank_later)
+        short_writes(monkeypatch, 30)
+        with pytest.raises(AuditError, match="short write"):
+            sink.write(make(port=1))
+    other.close()
+    assert path.read_text() == " " * 30 + line_of(make(port=7))
+    assert records_only(read_records(path)) == [make(port=7)]
+
+
+def test_a_fragment_that_cannot_be_blanked_is_ended_by_a_newline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    monkeypatch.setattr(audit, "_blank", lambda fd, fragment, offset: False)
+    with JsonlFileSink(path) as sink:
+        short_writes(monkeypatch, 10)
+        with pytest.raises(AuditError, match="short write"):
             sink.write(make(port=1))
         sink.write(make(port=2))
-    text = path.read_text()
-    assert text == line_of(make(port=1))[:10] + "\n" + line_of(make(port=2))
+    assert path.read_text() == line_of(make(port=1))[:10] + "\n" + line_of(make(port=2))
+
+
+def test_a_short_write_after_a_torn_tail_keeps_the_newline_that_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_text('{"ts":"2026-')  # a writer died here
+    with JsonlFileSink(path) as sink:
+        short_writes(monkeypatch, 5)
+        with pytest.raises(AuditError, match="short write"):
+            sink.write(make(port=1))
+        sink.write(make(port=2))
+    assert path.read_text() == '{"ts":"2026-\n' + " " * 4 + line_of(make(port=2))
+    items = list(read_records(path))
+    assert isinstance(items[0], MalformedLine)
+    assert items[1:] == [make(port=2)]
+
+
+def test_stream_sink_ends_a_fragment_with_a_newline(monkeypatch: pytest.MonkeyPatch) -> None:
+    read_end, write_end = os.pipe()
+    try:
+        sink = StreamSink(write_end)
+        short_writes(monkeypatch, 10)
+        with pytest.raises(AuditError, match="short write"):
+            sink.write(make(port=1))  # then the repair newline goes out whole
+        sink.write(make(port=2))
+        data = os.read(read_end, 65536).decode()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert data == line_of(make(port=1))[:10] + "\n" + line_of(make(port=2))
 
 
 def test_file_sink_appends_to_existing_file(tmp_path: Path) -> None:
@@ -478,17 +549,15 @@ def test_short_write_raises_and_next_writer_keeps_records_whole(tmp_path: Path) 
     assert outcomes[0] == "ok"
     assert outcomes[1].startswith("short write of audit record")
     assert "File too large" in outcomes[2]
-    assert path.stat().st_size == limit  # the fragment of the second record is on disk
+    assert path.stat().st_size == limit  # the second record's fragment: blanked, in place
+    assert path.read_bytes()[line_length:] == b" " * (limit - line_length)
 
-    # A later writer notices the fragment and starts on a fresh line.
+    # A later writer continues on the blanked line: every line is a whole record.
     with JsonlFileSink(path) as sink:
         sink.write(make(port=9))
-    items = list(read_records(path))
-    assert [type(item) for item in items] == [AuditRecord, MalformedLine, AuditRecord]
-    assert isinstance(items[1], MalformedLine)
-    assert items[1].line_number == 2
-    assert isinstance(items[2], AuditRecord)
-    assert items[2].port == 9
+    items = records_only(read_records(path))
+    assert [item.host for item in items] == ["a.example", "pypi.org"]
+    assert items[1].port == 9
 
 
 def test_new_sink_terminates_a_torn_tail(tmp_path: Path) -> None:
@@ -500,6 +569,14 @@ def test_new_sink_terminates_a_torn_tail(tmp_path: Path) -> None:
     items = list(read_records(path))
     assert [getattr(item, "port", None) for item in items] == [1, None, 2, 3]
     assert isinstance(items[1], MalformedLine)
+
+
+def test_a_blanked_tail_is_no_fragment(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_text(line_of(make(port=1)) + " " * 40)
+    with JsonlFileSink(path) as sink:
+        sink.write(make(port=2))
+    assert path.read_text() == line_of(make(port=1)) + " " * 40 + line_of(make(port=2))
 
 
 def test_whole_tail_gets_no_blank_line(tmp_path: Path) -> None:
@@ -1101,8 +1178,10 @@ def test_property_read_records_never_raises(chunks: list[bytes], compress: bool)
         items = list(read_records(path))
     assert all(isinstance(item, AuditRecord | MalformedLine) for item in items)
     if compress or not data.startswith(b"\x1f\x8b"):  # else it is read as a broken .gz
-        # One item per "\n"-terminated line, plus one for an unterminated tail.
-        tail = bool(data) and not data.endswith(b"\n")
+        # One item per "\n"-terminated line, plus one for an unterminated tail (unless
+        # it is only spaces: a blanked fragment, no record and no tear).
+        last = data.rpartition(b"\n")[2]
+        tail = bool(last) and last.strip(b" ") != b""
         assert len(items) == data.count(b"\n") + tail
 
 
@@ -1163,10 +1242,7 @@ def test_property_decision_line_is_the_records_line(
             for now_ns, protocol, host, port, decision, reason in fields:
                 record = AuditRecord(stamped(now_ns), protocol, host, port, decision, reason)
                 line = decision_line(protocol, host, port, decision, reason, now_ns=now_ns)
-                if line is None:  # the caller builds the record instead
-                    assert audit._PLAIN_HOST.fullmatch(host) is None
-                    line = record.to_json()
-                assert line == record.to_json()
+                assert line == record.to_json()  # valid fields: never None
                 fast.write_json(line)
                 slow.write(record)
         fast_file += fast_path.read_bytes()
@@ -1181,10 +1257,265 @@ def test_decision_line_leaves_the_unusual_to_the_record() -> None:
         '{"ts":"2026-11-30T11:08:16.123Z","protocol":"connect","host":"example.com",'
         '"port":443,"decision":"allow","reason":"allowed"}'
     )
-    for bad in (
-        ("connect", "example.com", 443, Verdict.ALLOW, Reason.ALLOWED),  # not the enum
-        (AuditProtocol.CONNECT, "(invalid)", 0, Verdict.DENY, Reason.BAD_HOST),  # escaping
+    invalid = (AuditProtocol.CONNECT, "(invalid)", 0, Verdict.DENY, Reason.BAD_HOST)
+    assert decision_line(*invalid, now_ns=now) == (
+        '{"ts":"2026-11-30T11:08:16.123Z","protocol":"connect","host":"(invalid)",'
+        '"port":0,"decision":"deny","reason":"bad_host"}'
+    )
+    # Not the enum member: AuditRecord coerces the string.
+    protocol = cast(AuditProtocol, "connect")
+    assert decision_line(protocol, "example.com", 443, *args[3:], now_ns=now) is None
+    bad_fields: list[tuple[Any, ...]] = [
         (AuditProtocol.CONNECT, "example.com", 65536, Verdict.ALLOW, Reason.ALLOWED),
         (AuditProtocol.CONNECT, "example.com", True, Verdict.ALLOW, Reason.ALLOWED),
-    ):
-        assert decision_line(*bad, now_ns=now) is None  # type: ignore[arg-type]
+        (AuditProtocol.CONNECT, "evil.example/admin", 80, Verdict.DENY, Reason.BAD_HOST),
+        (AuditProtocol.CONNECT, "a b", 80, Verdict.DENY, Reason.BAD_HOST),
+        (AuditProtocol.CONNECT, b"example.com", 80, Verdict.DENY, Reason.BAD_HOST),
+    ]
+    for bad in bad_fields:
+        assert decision_line(*bad, now_ns=now) is None
+        with pytest.raises(InvalidRecordError):  # the record says what is wrong
+            AuditRecord.create(*bad)
+
+
+# --------------------------------------------------------------------------- one serializer
+
+# Any text at all: quotes, backslashes, controls, non-ASCII and lone surrogates, which the
+# host guard would refuse, still render exactly as json.dumps would.
+ANY_TEXT = st.text(st.characters(codec=None), max_size=40)
+
+
+@given(
+    st.datetimes(timezones=st.just(UTC)),
+    st.sampled_from(AuditProtocol),
+    st.one_of(ANY_TEXT, HOSTS, PLAIN_HOSTS, st.sampled_from(['"', "\\", "\x7f", "é", "\ud800"])),
+    st.integers(0, 65535),
+    st.sampled_from(Verdict),
+    st.sampled_from(Reason),
+)
+def test_property_record_line_is_json_dumps_byte_for_byte(
+    ts: datetime,
+    protocol: AuditProtocol,
+    host: str,
+    port: int,
+    decision: Verdict,
+    reason: Reason,
+) -> None:
+    text = audit.format_ts(ts)
+    line = audit.record_line(protocol, host, port, decision, reason, ts=text)
+    expected = {
+        "ts": text,
+        "protocol": protocol.value,
+        "host": host,
+        "port": port,
+        "decision": decision.value,
+        "reason": reason.value,
+    }
+    assert line == json.dumps(expected, ensure_ascii=True, separators=(",", ":"))
+    assert line.isascii()
+
+
+def test_enum_values_and_timestamps_need_no_escaping() -> None:
+    # record_line puts these in quotes as they are: none may need a JSON escape.
+    for value in [*AuditProtocol, *Verdict, *Reason]:
+        assert json.dumps(value.value) == f'"{value.value}"'
+    assert json.dumps(audit.format_ts(T0)) == f'"{audit.format_ts(T0)}"'
+
+
+# --------------------------------------------------------------------------- one parser
+
+# Six values in contract order that the lexer may or may not take, compact as record_line
+# writes: the lexer must read exactly what json.loads reads, or leave the line to it.
+LEXABLE_VALUES = st.tuples(
+    st.one_of(
+        st.just("2026-11-30T11:08:16.123Z"),
+        st.from_regex(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", fullmatch=True),
+        st.text(max_size=30),
+    ),
+    st.one_of(st.sampled_from([*AuditProtocol, "HTTP", ""]), ANY_TEXT, st.integers()),
+    st.one_of(HOSTS, PLAIN_HOSTS, ANY_TEXT, st.integers()),
+    st.one_of(
+        st.integers(-(2**70), 2**70), st.integers(0, 65535), st.booleans(), st.none(), st.floats()
+    ),
+    st.one_of(st.sampled_from([*Verdict, "maybe"]), ANY_TEXT),
+    st.one_of(st.sampled_from([*Reason, "because"]), ANY_TEXT),
+)
+
+
+def _outcome(line: str) -> AuditRecord | str:
+    try:
+        return AuditRecord.from_json(line)
+    except InvalidRecordError as exc:
+        return str(exc)
+
+
+@given(LEXABLE_VALUES, st.booleans())
+def test_property_the_lexer_reads_what_json_loads_reads(
+    values: tuple[object, ...], ensure_ascii: bool
+) -> None:
+    data = dict(zip(KEYS, values, strict=True))
+    compact = json.dumps(data, ensure_ascii=ensure_ascii, separators=(",", ":"))
+    match = audit._LINE_SHAPE.fullmatch(compact)
+    if match is not None:
+        lexed = list(match.groups())
+        lexed[3] = int(lexed[3])
+        assert lexed == list(json.loads(compact).values())
+    # The same object spaced out always goes to json.loads: the outcome is the same,
+    # a record or the same error.
+    spaced = json.dumps(data, ensure_ascii=ensure_ascii, indent=2)
+    assert audit._LINE_SHAPE.fullmatch(spaced) is None
+    assert _outcome(compact) == _outcome(spaced) == _outcome(" " + compact + "\n")
+
+
+def test_one_validation_for_records_built_and_parsed() -> None:
+    # The parser's errors are the constructor's: both go through the same checks.
+    fields: dict[str, Any] = {
+        "ts": T0,
+        "protocol": AuditProtocol.CONNECT,
+        "host": "pypi.org",
+        "port": 443,
+        "decision": Verdict.ALLOW,
+        "reason": Reason.ALLOWED,
+    }
+    for name, value in [("host", "a b"), ("port", 70000), ("protocol", "ftp"), ("reason", "x")]:
+        with pytest.raises(InvalidRecordError) as built:
+            AuditRecord(**{**fields, name: value})
+        assert _outcome(_with(**{name: value})) == str(built.value)
+
+
+def test_leading_spaces_and_a_blanked_tail_are_read_as_json_allows(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    text = line_of(make(port=1)) + "   " + line_of(make(port=2)) + "    "
+    path.write_text(text)
+    assert records_only(read_records(path)) == [make(port=1), make(port=2)]
+    assert list(iter_records(text.splitlines(keepends=True))) == [make(port=1), make(port=2)]
+    # A blank line or other trailing whitespace is still no record.
+    assert [type(i) for i in iter_records(["\n", " \t"])] == [MalformedLine, MalformedLine]
+
+
+# --------------------------------------------------------------------------- full disk: reserve
+
+
+def reserve_of(path: Path) -> int:
+    info = path.stat()
+    return info.st_blocks * 512 - info.st_size
+
+
+def test_space_is_reserved_ahead_of_the_end(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    with JsonlFileSink(path) as sink:
+        sink.write(make())
+        if not sink._reserving:
+            pytest.skip("this file system has no fallocate(FALLOC_FL_KEEP_SIZE)")
+        assert reserve_of(path) >= audit.DEFAULT_WRITERS * audit._CHECK_BYTES
+        assert path.stat().st_size == len(line_of(make()))  # the size is the records'
+    assert path.read_text() == line_of(make())
+
+
+def test_the_reserve_is_looked_at_once_per_4_kib_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, int]] = []
+    real = audit._allocate
+    real_fstat = os.fstat
+    looks = [0]
+
+    def counting_fstat(fd: int) -> os.stat_result:
+        looks[0] += 1
+        return real_fstat(fd)
+
+    def spy(fd: int, offset: int, length: int) -> int:
+        calls.append((offset, length))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(audit, "_allocate", spy)
+    with JsonlFileSink(tmp_path / "audit.jsonl") as sink:
+        monkeypatch.setattr(os, "fstat", counting_fstat)
+        record = make()
+        count = 10_000
+        for _ in range(count):
+            sink.write(record)
+        monkeypatch.setattr(os, "fstat", real_fstat)
+    written = count * len(line_of(record))
+    assert looks[0] <= count // (audit._CHECK_BYTES // len(line_of(record))) + 1
+    assert len(calls) <= written // (audit._RESERVE_CHUNK // 2) + 1
+
+
+def test_no_room_for_the_reserve_means_no_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    monkeypatch.setattr(audit, "_allocate", lambda fd, offset, length: errno.ENOSPC)
+    with JsonlFileSink(path) as sink:
+        with pytest.raises(AuditError, match=r"cannot reserve .*No space left.*not written"):
+            sink.write(make(port=1))
+        assert path.read_bytes() == b""  # absent, not torn
+        assert not sink.can_write()
+        with pytest.raises(AuditError, match="No space left"):
+            sink.write(make(port=2))  # asked again at every write until it works
+        monkeypatch.setattr(audit, "_allocate", lambda fd, offset, length: 0)
+        assert sink.can_write()  # space is back
+        sink.write(make(port=3))
+    assert path.read_text() == line_of(make(port=3))
+
+
+def test_a_smaller_reserve_is_taken_when_the_chunk_does_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[int] = []
+
+    def tight(fd: int, offset: int, length: int) -> int:
+        asked.append(length)
+        return errno.ENOSPC if length > audit.DEFAULT_WRITERS * audit._CHECK_BYTES else 0
+
+    monkeypatch.setattr(audit, "_allocate", tight)
+    with JsonlFileSink(tmp_path / "audit.jsonl") as sink:
+        sink.write(make())
+    assert asked == [audit._RESERVE_CHUNK, audit.DEFAULT_WRITERS * audit._CHECK_BYTES]
+
+
+def test_without_fallocate_the_sink_writes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    monkeypatch.setattr(audit, "_allocate", lambda fd, offset, length: errno.EOPNOTSUPP)
+    with JsonlFileSink(path) as sink:
+        sink.write(make(port=1))
+        assert not sink._reserving
+        assert sink.can_write()  # statvfs: this disk has room
+        sink.write(make(port=2))
+    assert records_only(read_records(path)) == [make(port=1), make(port=2)]
+
+
+def test_rotation_reserves_no_further_than_max_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    size = len(line_of(make()))
+    with JsonlFileSink(path, max_bytes=100 * size, keep=2) as sink:
+        for _ in range(250):
+            sink.write(make())
+        if not sink._reserving:
+            pytest.skip("this file system has no fallocate(FALLOC_FL_KEEP_SIZE)")
+    rotated = Path(f"{path}.1")
+    assert rotated.stat().st_size == 100 * size
+    # What was reserved stops at max_bytes (rounded up to the file system's block).
+    assert rotated.stat().st_blocks * 512 < 100 * size + 2 * audit._CHECK_BYTES
+    assert len(records_only(read_records(rotated))) == 100
+
+
+def test_writers_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="writers"):
+        JsonlFileSink(tmp_path / "audit.jsonl", writers=0)
+
+
+@pytest.mark.parametrize(
+    ("tail", "after"),
+    [("", ""), ('{"ts":"2026-', '{"ts":"2026-\n'), (" " * 30, " " * 30)],
+)
+def test_end_torn_tail_ends_a_fragment_and_leaves_a_blanked_one(
+    tmp_path: Path, tail: str, after: str
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_text(line_of(make()) + tail)
+    audit.end_torn_tail(str(path))
+    assert path.read_text() == line_of(make()) + after
+    audit.end_torn_tail(str(tmp_path / "missing.jsonl"))  # best effort: no error

@@ -1,5 +1,5 @@
 """Tests for `egressbox audit` (egressbox.audit_cli) and the audit.py parts it stands on:
-sink rotation and reopen, the canonical-line fast path, rotated-file discovery, the
+sink rotation and reopen, the line lexer, rotated-file discovery, the
 stream reader with progress, and --follow across rotation and truncation.
 
 Files are real (tmp_path); --follow and SIGINT are tested in a real child process.
@@ -246,7 +246,7 @@ def test_writes_after_close_fail_cleanly(tmp_path: Path) -> None:
         sink.rotate()
 
 
-# --------------------------------------------------------------------------- canonical fast paths
+# --------------------------------------------------------------------------- the lexer
 
 _hosts = st.one_of(
     st.from_regex(r"[0-9A-Za-z._:-]{0,40}", fullmatch=True),
@@ -265,7 +265,7 @@ _hosts = st.one_of(
     decision=st.sampled_from(Verdict),
     reason=st.sampled_from(Reason),
 )
-def test_fast_and_strict_paths_build_equal_records(
+def test_the_lexer_and_json_loads_read_equal_records(
     ts: datetime,
     protocol: AuditProtocol,
     host: str,
@@ -277,15 +277,17 @@ def test_fast_and_strict_paths_build_equal_records(
 
     record = AuditRecord(ts, protocol, host, port, decision, reason)
     line = record.to_json()
-    # The fast formatter writes exactly what json.dumps would.
+    # The one serializer writes exactly what json.dumps would.
     assert line == json.dumps(record.to_dict(), ensure_ascii=True, separators=(",", ":"))
-    fast = audit._from_canonical(line)
-    assert AuditRecord.from_json(line) == record
-    if fast is not None:
-        assert fast == record
-        assert type(fast.protocol) is AuditProtocol and type(fast.reason) is Reason
-    if host.isascii():
-        assert fast is not None  # the common case really takes the fast path
+    # The same line, spaced out: json.loads reads it, the lexer does not.
+    spaced = json.dumps(record.to_dict(), ensure_ascii=True, indent=1)
+    assert audit._LINE_SHAPE.fullmatch(spaced) is None
+    for text in (line, line + "\n", spaced, "  " + line + "\n"):
+        parsed = AuditRecord.from_json(text)
+        assert parsed == record
+        assert type(parsed.protocol) is AuditProtocol and type(parsed.reason) is Reason
+    if "\\" not in line:
+        assert audit._LINE_SHAPE.fullmatch(line) is not None  # the common case is lexed
 
 
 @pytest.mark.parametrize(
@@ -298,7 +300,7 @@ def test_fast_and_strict_paths_build_equal_records(
         ('"host":"pypi.org"', '"host":"py pi.org"'),
     ],
 )
-def test_lines_the_fast_pattern_shape_matches_are_still_validated(
+def test_lines_the_lexer_reads_are_still_validated(
     change: tuple[str, str],
 ) -> None:
     line = rec().to_json().replace(*change)

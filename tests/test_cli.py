@@ -121,6 +121,49 @@ def test_explain_denies_private_answer(
     )
 
 
+METADATA_POLICY = """\
+[egress]
+allow = ["169.254.169.254:80", "imds.test", "100.64.0.0/10"]
+allow_cidrs = ["169.254.0.0/16", "100.64.0.0/10"]
+allow_private = true
+"""
+
+
+def test_check_warns_that_an_exact_metadata_entry_opens_credentials(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "meta.toml", METADATA_POLICY)
+    assert main(["check", path]) == 0
+    out = capsys.readouterr().out
+    assert (
+        '  warning: egress.allow[0]: "169.254.169.254:80" names instance metadata service of'
+        " AWS, GCP, Azure, OCI..., a cloud metadata endpoint: it opens this instance's"
+        " credentials to every client\n"
+    ) in out
+
+
+def test_explain_metadata_decisions(
+    tmp_path: Path, dns_server: DnsServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dns_server.set("imds.test", A("169.254.169.254"))
+    path = write(tmp_path, "meta.toml", METADATA_POLICY)
+    ns = "{}:{}".format(*dns_server.nameserver)
+    got = explain_json(capsys, "--policy", path, "--nameserver", ns, "imds.test:80")
+    assert (got["decision"], got["reason"], got["addresses"]) == (
+        "deny",
+        "metadata_address",
+        ["169.254.169.254"],
+    )
+    got = explain_json(capsys, "--policy", path, "100.100.100.200:80")
+    assert (got["decision"], got["reason"], got["rule"]) == (
+        "deny",
+        "metadata_address",
+        "100.64.0.0/10",
+    )
+    got = explain_json(capsys, "--policy", path, "169.254.169.254:80")
+    assert (got["decision"], got["reason"]) == ("allow", "allowed")
+
+
 def test_explain_no_allow_rule_makes_no_query(
     tmp_path: Path, dns_server: DnsServer, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from egressbox.addresses import METADATA_ENDPOINTS
 from egressbox.decide import (
     NO_SELF,
     Decision,
@@ -343,7 +344,7 @@ def test_no_addresses_is_dns_failure() -> None:
         ("64:ff9b::c000:201", Reason.SPECIAL_ADDRESS),  # NAT64 of 192.0.2.1
         ("2002:a00:1::1", Reason.PRIVATE_ADDRESS),  # 6to4 of 10.0.0.1
         ("2002:7f00:1::1", Reason.PRIVATE_ADDRESS),  # 6to4 of 127.0.0.1
-        ("2001:0:808:808::5601:5601", Reason.PRIVATE_ADDRESS),  # Teredo client 169.254.169.254
+        ("2001:0:808:808::5601:fefe", Reason.PRIVATE_ADDRESS),  # Teredo client 169.254.1.1
     ],
 )
 def test_special_ranges_are_denied(address: str, reason: Reason) -> None:
@@ -414,7 +415,7 @@ def test_allow_private_lifts_private_like_ranges_policy_wide() -> None:
     for address in ("10.1.2.3", "192.168.0.9", "fd12::9", "100.64.1.1", "fec0::9"):
         assert decide(policy, "a.corp", 80, [address]).reason is Reason.ALLOWED, address
     assert decide(policy, "10.1.2.3", 80, ["10.1.2.3"]).reason is Reason.ALLOWED
-    for address in ("127.0.0.1", "::1", "169.254.169.254", "fe80::1"):
+    for address in ("127.0.0.1", "::1", "169.254.1.1", "fe80::1"):
         assert decide(policy, "a.corp", 80, [address]).reason is Reason.PRIVATE_ADDRESS
     assert decide(policy, "a.corp", 80, ["224.0.0.1"]).reason is Reason.SPECIAL_ADDRESS
 
@@ -523,6 +524,174 @@ def test_cname_chain_against_deny_entries() -> None:
     # CNAME targets need no allow entry of their own.
     names = ["a.example.com", "cdn.provider.net"]
     assert decide(policy, "a.example.com", 443, [PUBLIC_V4], names=names).reason is (Reason.ALLOWED)
+
+
+# -- cloud metadata endpoints ----------------------------------------------------------
+
+METADATA_ADDRESSES = [str(entry.network.network_address) for entry in METADATA_ENDPOINTS]
+# Every broad grant there is, each covering every endpoint in the table.
+BROAD_CIDRS = [
+    "169.254.0.0/16",
+    "100.64.0.0/10",
+    "168.63.129.16/32",
+    "192.0.0.0/24",
+    "192.0.0.192/32",
+    "fd00:ec2::/32",
+    "fd00:ec2::254/128",
+    "fd00:a9fe::/32",
+    "fd00:42::/32",
+    "fd20:ce::/32",
+    "fe80::/64",
+]
+BROAD_ENTRIES = [
+    "meta.test",
+    {"host": "private.test", "private": True},
+    "*.cloud.test",
+    "169.254.0.0/16",
+    "100.64.0.0/10",
+    "168.63.129.16/32",
+    "192.0.0.192/32",
+    "[fd00:ec2::/32]",
+    "[fd00:a9fe::/32]",
+    "[fd00:42::/32]",
+    "[fd20:ce::/32]",
+    "[fe80::/64]",
+]
+
+
+def literal(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def broad_policy(**extra: Any) -> Policy:
+    return make_policy(allow=BROAD_ENTRIES, allow_cidrs=BROAD_CIDRS, allow_private=True, **extra)
+
+
+@pytest.mark.parametrize("address", METADATA_ADDRESSES)
+def test_metadata_is_denied_under_every_broad_grant(address: str) -> None:
+    policy = broad_policy()
+    # A name that resolves to it, alone or among public addresses; with private = true too.
+    for host in ("meta.test", "private.test", "a.cloud.test"):
+        for answer in ([address], [PUBLIC_V4, address], [address, PUBLIC_V6]):
+            decision = decide(policy, host, 443, answer)
+            assert (decision.verdict, decision.reason) == (Verdict.DENY, Reason.METADATA_ADDRESS)
+            assert decision.addresses == tuple(ip(a) for a in answer)
+    # The IP literal itself, admitted by a CIDR allow entry (even a /32 one).
+    decision = decide(policy, literal(address), 80, [address])
+    assert (decision.verdict, decision.reason) == (Verdict.DENY, Reason.METADATA_ADDRESS)
+    assert decision.rule is not None and "/" in decision.rule
+    assert "a cloud metadata endpoint" in decision.detail
+
+
+@pytest.mark.parametrize("address", METADATA_ADDRESSES)
+def test_allow_cidrs_equal_to_the_endpoint_do_not_lift_it(address: str) -> None:
+    cidr = f"{address}/{128 if ':' in address else 32}"
+    policy = make_policy(allow=["meta.test"], allow_cidrs=[cidr])
+    assert decide(policy, "meta.test", 80, [address]).reason is Reason.METADATA_ADDRESS
+    # The same grant still lifts the ban for an ordinary neighbour.
+    policy = make_policy(allow=["meta.test"], allow_cidrs=["169.254.0.0/16", "fd00::/32"])
+    assert decide(policy, "meta.test", 80, ["169.254.1.1"]).reason is Reason.ALLOWED
+    assert decide(policy, "meta.test", 80, ["fd00::1"]).reason is Reason.ALLOWED
+
+
+@pytest.mark.parametrize("address", METADATA_ADDRESSES)
+def test_only_an_exact_ip_entry_admits_metadata(address: str) -> None:
+    policy = make_policy(allow=[literal(address), "meta.test"])
+    decision = decide(policy, literal(address), 80, [address])
+    assert (decision.verdict, decision.reason) == (Verdict.ALLOW, Reason.ALLOWED)
+    assert decision.rule == literal(address)
+    assert decision.addresses == (ip(address),)
+    # No allow_cidrs or allow_private is needed for it, and the entry admits no name.
+    assert decide(policy, "meta.test", 80, [address]).reason is Reason.METADATA_ADDRESS
+    # Exact under the broad grants too.
+    policy = broad_policy()
+    exact = make_policy(
+        allow=[*BROAD_ENTRIES, literal(address)], allow_cidrs=BROAD_CIDRS, allow_private=True
+    )
+    assert decide(policy, literal(address), 80, [address]).reason is Reason.METADATA_ADDRESS
+    assert decide(exact, literal(address), 80, [address]).reason is Reason.ALLOWED
+
+
+def test_the_exact_entry_keeps_its_port() -> None:
+    policy = make_policy(allow=["169.254.169.254:80", "169.254.0.0/16"], allow_private=True)
+    decision = decide(policy, "169.254.169.254", 80, ["169.254.169.254"])
+    assert (decision.reason, decision.rule) == (Reason.ALLOWED, "169.254.169.254:80")
+    # Port 443 is matched by the CIDR entry only: not an exact grant.
+    decision = decide(policy, "169.254.169.254", 443, ["169.254.169.254"])
+    assert (decision.reason, decision.rule) == (Reason.METADATA_ADDRESS, "169.254.0.0/16")
+    policy = make_policy(allow=["[fd00:ec2::254]:80"])
+    assert decide(policy, "[fd00:ec2::254]", 80, ["fd00:ec2::254"]).reason is Reason.ALLOWED
+    assert decide(policy, "[fd00:ec2::254]", 81, ["fd00:ec2::254"]).reason is (Reason.NO_ALLOW_RULE)
+
+
+@pytest.mark.parametrize(
+    "wrapped",
+    [
+        "::ffff:169.254.169.254",  # IPv4-mapped
+        "::169.254.169.254",  # IPv4-compatible
+        "::ffff:0:a9fe:a9fe",  # IPv4-translated
+        "64:ff9b::a9fe:a9fe",  # NAT64
+        "64:ff9b:1::a9fe:a9fe",  # local-use NAT64
+        "2002:a9fe:a9fe::1",  # 6to4
+        "2001:0:808:808::5601:5601",  # Teredo client
+        "::ffff:100.100.100.200",
+        "64:ff9b::6464:64c8",  # NAT64 of 100.100.100.200
+        "2002:a83f:8110::1",  # 6to4 of 168.63.129.16
+    ],
+)
+def test_metadata_behind_ipv6_wrappers(wrapped: str) -> None:
+    # Even a grant for the wrapper itself and an exact entry for it: the
+    # embedded endpoint is never named exactly, so it stays denied.
+    policy = make_policy(
+        allow=["meta.test", literal(wrapped), "169.254.169.254", "100.100.100.200"],
+        allow_cidrs=[
+            "::/96",
+            "::ffff:0:0/96",
+            "::ffff:0:0:0/96",
+            "64:ff9b::/96",
+            "64:ff9b:1::/48",
+            {"cidr": "2002::/16", "broad": True},
+            "2001::/32",
+        ],
+        allow_private=True,
+    )
+    for host in ("meta.test", literal(wrapped)):
+        decision = decide(policy, host, 80, [wrapped])
+        assert (decision.verdict, decision.reason) == (Verdict.DENY, Reason.METADATA_ADDRESS)
+        assert "(it carries " in decision.detail
+
+
+def test_metadata_detail() -> None:
+    decision = decide(broad_policy(), "meta.test", 80, ["169.254.169.254"])
+    assert decision.detail == (
+        "169.254.169.254 is a cloud metadata endpoint (instance metadata service of AWS, GCP,"
+        " Azure, OCI...); only an allow entry naming exactly that address, asked for as that"
+        " IP literal, admits it (allow_cidrs, allow_private, CIDR entries and names never do)"
+    )
+    decision = decide(broad_policy(), "meta.test", 80, ["64:ff9b::6464:64c8"])
+    assert decision.detail.startswith(
+        "64:ff9b::6464:64c8 (it carries 100.100.100.200) is a cloud metadata endpoint"
+        " (Alibaba Cloud ECS instance metadata)"
+    )
+
+
+def test_deny_cidrs_and_deny_entries_beat_an_exact_metadata_entry() -> None:
+    policy = make_policy(allow=["169.254.169.254"], deny_cidrs=["169.254.169.254/32"])
+    assert decide(policy, "169.254.169.254", 80, ["169.254.169.254"]).reason is Reason.DENY_CIDR
+    policy = make_policy(allow=["169.254.169.254"], deny=["169.254.0.0/16"])
+    assert decide(policy, "169.254.169.254", 80, ["169.254.169.254"]).reason is Reason.DENY_RULE
+
+
+def test_check_order_self_then_metadata_then_ranges() -> None:
+    endpoints = SelfEndpoints(endpoints=frozenset({(ip("169.254.169.254"), 80)}))
+    policy = make_policy(allow_private=True)
+    refusal = check_address(policy, ip("169.254.169.254"), 80, None, endpoints)
+    assert refusal is not None and refusal.reason is Reason.SELF_CONNECTION
+    refusal = check_address(policy, ip("169.254.169.254"), 81, None, endpoints)
+    assert refusal is not None and refusal.reason is Reason.METADATA_ADDRESS
+    # The metadata class outranks a wrapper's own special_address ban.
+    refusal = check_address(policy, ip("::ffff:169.254.169.254"), 81, None, endpoints)
+    assert refusal is not None and refusal.reason is Reason.METADATA_ADDRESS
 
 
 # -- the proxy's own listeners ----------------------------------------------------------
@@ -695,6 +864,23 @@ def test_report_mode_cname_deny_stays_enforced() -> None:
         report_policy(), "evil.example", 443, [PUBLIC_V4], names=["evil.example", "x.internal"]
     )
     assert (decision.verdict, decision.reason) == (Verdict.DENY, Reason.DENY_RULE)
+
+
+@pytest.mark.parametrize("address", METADATA_ADDRESSES)
+def test_report_mode_keeps_the_metadata_ban(address: str) -> None:
+    policy = broad_policy(mode="report")
+    # A name miss, an allowed name and an IP literal admitted by no entry or a CIDR entry.
+    for host, answer in [
+        ("unlisted.example", [address]),
+        ("meta.test", [PUBLIC_V4, address]),
+        (literal(address), [address]),
+    ]:
+        decision = decide(policy, host, 80, answer)
+        assert (decision.verdict, decision.reason) == (Verdict.DENY, Reason.METADATA_ADDRESS)
+        assert not decision.allowed
+    report = make_policy(allow=["pypi.org"], allow_private=True, mode="report")
+    decision = decide(report, literal(address), 80, [address])
+    assert (decision.verdict, decision.reason) == (Verdict.DENY, Reason.METADATA_ADDRESS)
 
 
 def test_decision_allowed_property() -> None:

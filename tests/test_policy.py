@@ -729,7 +729,7 @@ def test_private_ip_literal_warning() -> None:
     [
         ("127.0.0.1:8080", "loopback"),
         ("[::1]", "loopback"),
-        ("169.254.169.254", "link-local"),
+        ("169.254.1.1", "link-local"),
         ("[fe80::1]", "link-local"),
         ("192.0.2.1", "documentation"),
         ("224.0.0.1", "multicast"),
@@ -763,6 +763,25 @@ def test_private_flag_does_not_lift_loopback_warning() -> None:
     assert "is a loopback address" in warning
     (warning,) = parse(egress(allow=["169.254.1.1"], allow_private=True)).warnings
     assert "is a link-local address" in warning
+
+
+@pytest.mark.parametrize(
+    "entry", ["169.254.169.254:80", "100.100.100.200", "168.63.129.16", "[fd00:ec2::254]"]
+)
+def test_exact_metadata_entry_warns_that_it_opens_credentials(entry: str) -> None:
+    # However the policy grants ranges, naming a metadata endpoint is what opens it.
+    for extra in ({}, {"allow_private": True}, {"allow_cidrs": ["169.254.0.0/16"]}):
+        (warning,) = parse(egress(allow=[entry], **extra)).warnings
+        assert warning.startswith(f'egress.allow[0]: "{entry}" names ')
+        assert warning.endswith(
+            "a cloud metadata endpoint: it opens this instance's credentials to every client"
+        )
+
+
+def test_cidr_entry_naming_a_metadata_endpoint_warns_that_it_stays_denied() -> None:
+    (warning,) = parse(egress(allow=["169.254.169.254/32"], allow_private=True)).warnings
+    assert warning.startswith('egress.allow[0]: "169.254.169.254/32" covers instance metadata')
+    assert warning.endswith("metadata endpoint that stays denied unless an entry names it exactly")
 
 
 def test_report_mode_warning() -> None:

@@ -196,6 +196,7 @@ def test_lines_carry_connection_counts_and_order_groups_related_names() -> None:
     [
         (Reason.PRIVATE_ADDRESS, "private address"),
         (Reason.SPECIAL_ADDRESS, "special-purpose address"),
+        (Reason.METADATA_ADDRESS, "cloud metadata endpoint"),
         (Reason.DENY_CIDR, "egress.deny_cidrs"),
         (Reason.SELF_CONNECTION, "own listener"),
     ],
@@ -222,6 +223,25 @@ def test_private_or_special_ip_literals_seen_allowed_are_still_withheld(address:
         Reason.PRIVATE_ADDRESS,
         Reason.SPECIAL_ADDRESS,
     )
+
+
+@pytest.mark.parametrize(
+    "address", ["169.254.169.254", "100.100.100.200", "168.63.129.16", "::ffff:169.254.169.254"]
+)
+def test_metadata_ip_literals_seen_allowed_are_withheld_whatever_the_base(address: str) -> None:
+    # An older log (or one from another tool) can show these admitted; the suggested
+    # entry would be the one grant that opens them, so it is never written uncommented.
+    base = parse_policy(
+        {"egress": {"allow_private": True, "allow_cidrs": ["169.254.0.0/16", "100.64.0.0/10"]}},
+        env={},
+        source="base.toml",
+    )
+    for kwargs in ({}, {"base": base}):
+        text = suggest([rec(address, 80, ALLOWED)], **kwargs)
+        assert allow_texts(text) == []
+        assert "metadata_address" in text and "# WARNING:" in text
+    plan = plan_suggestion(summarize([rec(address, 80, ALLOWED)]), base=base)
+    assert [w.reason for w in plan.withheld] == [Reason.METADATA_ADDRESS]
 
 
 def test_private_ip_literal_admitted_when_the_base_policy_grants_it() -> None:

@@ -6,9 +6,15 @@ address is looked up here by longest prefix, and IPv6 forms that carry an
 IPv4 address (mapped, compatible, translated, NAT64, 6to4, Teredo) yield the
 embedded address so that it is judged as well.
 
+Cloud metadata and instance-identity endpoints are a class of their own
+(`metadata`, DESIGN §3 "Cloud metadata"): single addresses listed on top of
+the registries, each with the provider's documentation as its source, so that
+the most specific match names them whatever range they sit in (link-local,
+CGNAT, ULA, even publicly routed).
+
 Sources: IANA IPv4 and IPv6 Special-Purpose Address Registries (RFC 6890
 and later additions), RFC 6052 (NAT64 embedding), RFC 3056 (6to4),
-RFC 4380 (Teredo).
+RFC 4380 (Teredo); the providers' documents named in METADATA_ENDPOINTS.
 """
 
 from __future__ import annotations
@@ -43,14 +49,16 @@ class Category(StrEnum):
     IPV4_EMBEDDING = "ipv4_embedding"  # mapped/compatible/translated/local NAT64
     TRANSLATION = "translation"  # well-known NAT64 prefix: global wrapper
     TUNNEL = "tunnel"  # 6to4 and Teredo: global wrappers
+    METADATA = "metadata"  # a cloud metadata / instance-identity endpoint (METADATA_ENDPOINTS)
 
 
 # Categories whose addresses may be dialed without an explicit grant.
 ROUTABLE = frozenset({Category.GLOBAL, Category.TRANSLATION, Category.TUNNEL})
 # What `allow_private = true` (or a rule's `private = true`) lifts. Loopback
-# and link-local (cloud metadata lives there) need an explicit allow_cidrs.
+# and link-local need an explicit allow_cidrs; neither lifts METADATA.
 PRIVATE_LIKE = frozenset({Category.PRIVATE, Category.SHARED, Category.SITE_LOCAL})
-# Reported as private_address; every other non-routable category is special_address.
+# Reported as private_address; metadata is metadata_address; every other
+# non-routable category is special_address.
 _LOCAL = PRIVATE_LIKE | {Category.LOOPBACK, Category.LINK_LOCAL}
 
 
@@ -66,7 +74,7 @@ def _r(cidr: str, category: Category, name: str) -> Range:
 
 
 C = Category
-TABLE: tuple[Range, ...] = (
+SPECIAL_PURPOSE: tuple[Range, ...] = (
     # IPv4 (IANA IPv4 Special-Purpose Address Registry)
     _r("0.0.0.0/0", C.GLOBAL, "global unicast"),
     _r("0.0.0.0/8", C.THIS_NETWORK, "this network (RFC 791)"),
@@ -122,7 +130,63 @@ TABLE: tuple[Range, ...] = (
     _r("fec0::/10", C.SITE_LOCAL, "site-local, deprecated (RFC 3879)"),
     _r("ff00::/8", C.MULTICAST, "multicast (RFC 4291)"),
 )
+# Cloud metadata and instance-identity endpoints: what a workload on that
+# instance can read there (role credentials, tokens, user data) belongs to the
+# instance. Closed on purpose: only addresses a provider documents, each with
+# its source; a provider's *names* (metadata.google.internal ...) need no entry,
+# as whatever they resolve to is judged here.
+METADATA_ENDPOINTS: tuple[Range, ...] = (
+    # IPv4
+    # AWS EC2 Instance Metadata Service (EC2 User Guide, "Instance metadata");
+    # the same address serves GCP ("View and query VM metadata"), Azure IMDS (Microsoft
+    # Learn, "Azure Instance Metadata Service"), Oracle OCI ("Getting Instance
+    # Metadata"), OpenStack Nova, DigitalOcean, Akamai/Linode and others.
+    _r("169.254.169.254/32", C.METADATA, "instance metadata service of AWS, GCP, Azure, OCI..."),
+    # AWS Route 53 Resolver in every VPC (VPC User Guide, "Amazon DNS server").
+    _r("169.254.169.253/32", C.METADATA, "AWS VPC DNS resolver (Route 53 Resolver)"),
+    # AWS ECS task metadata and task-role credentials, v2 and later
+    # (ECS Developer Guide, "Amazon ECS task IAM role"; the AWS SDKs' container
+    # credential provider).
+    _r("169.254.170.2/32", C.METADATA, "AWS ECS task metadata and credentials endpoint"),
+    # AWS EKS Pod Identity Agent (EKS User Guide, "Set up the Amazon EKS Pod Identity Agent").
+    _r("169.254.170.23/32", C.METADATA, "AWS EKS Pod Identity Agent (pod credentials)"),
+    # Tencent Cloud CVM metadata: metadata.tencentyun.com (Tencent Cloud docs,
+    # "Querying Instance Metadata") answers at this address, which is what
+    # DataDog's agent (pkg/util/cloudproviders/tencent) queries directly.
+    _r("169.254.0.23/32", C.METADATA, "Tencent Cloud CVM instance metadata"),
+    # Scaleway Instances metadata API (cloud-init docs, "Scaleway" datasource).
+    _r("169.254.42.42/32", C.METADATA, "Scaleway instance metadata"),
+    # Alibaba Cloud ECS instance metadata, inside CGNAT space (Alibaba Cloud ECS
+    # docs, "Instance metadata"; cloud-init docs, "Alibaba Cloud (AliYun)" datasource).
+    _r("100.100.100.200/32", C.METADATA, "Alibaba Cloud ECS instance metadata"),
+    # Azure WireServer, a publicly routed address: VM agent, DHCP, DNS, health
+    # probes (Microsoft Learn, "What is IP address 168.63.129.16?").
+    _r("168.63.129.16/32", C.METADATA, "Azure WireServer (platform channel)"),
+    # Oracle Cloud Infrastructure Compute Classic instance metadata (Oracle docs,
+    # "Retrieving Instance Metadata": http://192.0.0.192/{version}/metadata).
+    _r("192.0.0.192/32", C.METADATA, "Oracle Cloud Compute Classic instance metadata"),
+    # IPv6
+    # AWS IMDS on Nitro instances (EC2 User Guide; AWS whitepaper "IPv6 on AWS",
+    # "Supporting Amazon VPC services").
+    _r("fd00:ec2::254/128", C.METADATA, "AWS EC2 instance metadata service (IPv6)"),
+    # AWS Route 53 Resolver over IPv6 (VPC User Guide, "Amazon DNS server").
+    _r("fd00:ec2::253/128", C.METADATA, "AWS VPC DNS resolver (IPv6)"),
+    # AWS EKS Pod Identity Agent over IPv6 (EKS User Guide, as above).
+    _r("fd00:ec2::23/128", C.METADATA, "AWS EKS Pod Identity Agent (IPv6)"),
+    # Google Compute Engine metadata server for IPv6 (used as GCE_METADATA_HOST
+    # "[fd20:ce::254]" in GoogleCloudPlatform/k8s-config-connector).
+    _r("fd20:ce::254/128", C.METADATA, "Google Compute Engine metadata server (IPv6)"),
+    # Akamai/Linode Metadata service (Akamai TechDocs, "Access the Metadata service API").
+    _r("fd00:a9fe:a9fe::1/128", C.METADATA, "Akamai (Linode) metadata service (IPv6)"),
+    # Scaleway Instances metadata API over IPv6 (cloud-init docs, "Scaleway" datasource).
+    _r("fd00:42::42/128", C.METADATA, "Scaleway instance metadata (IPv6)"),
+    # OpenStack Neutron metadata over IPv6 (neutron-specs, Ussuri, "IPv6 support
+    # in Metadata service"): the link-local twin of 169.254.169.254.
+    _r("fe80::a9fe:a9fe/128", C.METADATA, "OpenStack metadata service (IPv6)"),
+)
 del C
+# Longest prefix wins, so an endpoint is metadata whatever range holds it.
+TABLE: tuple[Range, ...] = SPECIAL_PURPOSE + METADATA_ENDPOINTS
 
 
 def _index(table: tuple[Range, ...], version: int) -> dict[int, dict[int, Range]]:
@@ -216,6 +280,15 @@ def is_routable(category: Category) -> bool:
     return category in ROUTABLE
 
 
+def is_metadata(ip: IPAddress) -> bool:
+    """True when `ip`, or an IPv4 address it carries, is a cloud metadata endpoint."""
+    if lookup(ip).category is Category.METADATA:
+        return True
+    return any(lookup(v4).category is Category.METADATA for _, v4 in embedded_ipv4(ip))
+
+
 def reason_for(category: Category) -> Reason:
     """The denial reason for a non-routable category."""
+    if category is Category.METADATA:
+        return Reason.METADATA_ADDRESS
     return Reason.PRIVATE_ADDRESS if category in _LOCAL else Reason.SPECIAL_ADDRESS

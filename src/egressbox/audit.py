@@ -4,14 +4,20 @@ One record per decision, exactly ``ts, protocol, host, port, decision, reason`` 
 order (DESIGN.md section 6). Nothing else ever enters a record: the host guard below is a
 last line of defence so that a caller bug cannot smuggle a path, header or credential in.
 
+One serializer, one parser. ``record_line`` renders every line egressbox writes or prints
+(``AuditRecord.to_json``, the proxy's ``decision_line``, ``egressbox audit --json``), byte
+for byte what ``json.dumps`` makes of the six-key dict. ``parse_record`` reads every line
+(``read_records``, ``follow_records``, ``iter_records``, and through them ``egressbox
+audit``, its filters, summary and ``--suggest-policy``), with one validation: the checks
+of ``AuditRecord`` itself.
+
 Writers emit each record as ONE ``write(2)`` of a whole line on an ``O_APPEND`` descriptor.
-The kernel then appends it at the current end of file as a unit, so writers in several
-threads or processes never interleave, and a writer killed between records leaves only whole
-lines. Two caveats, both handled here: a short write (disk full, RLIMIT_FSIZE) leaves a
-fragment, and Linux checks for a fatal signal between page-cache pages, so a SIGKILL can cut
-a record that straddles a page boundary. In both cases the next write (or the next sink
-opened on the file) starts with a newline, which keeps the fragment on a line of its own:
-the reader reports it as malformed and every other record stays whole.
+The kernel appends it at the current end of file as a unit, so writers in several threads or
+processes never interleave. A record is whole or absent, also when the disk fills up: see
+``JsonlFileSink`` for how (space reserved ahead, and a fragment left by a short write blanked
+in place). One case stays: Linux checks for a fatal signal between page-cache pages, so a
+SIGKILL can cut a record that straddles a page boundary; the next sink opened on the file
+starts with a newline, which keeps that fragment on a line of its own, reported by the reader.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
+from json.encoder import encode_basestring_ascii
 from types import TracebackType
 from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
@@ -42,6 +49,7 @@ from egressbox.errors import AuditError, Reason, Verdict
 
 __all__ = [
     "DEFAULT_KEEP",
+    "DEFAULT_WRITERS",
     "FOLLOW_POLL_SECONDS",
     "KEYS",
     "MAX_LINE_BYTES",
@@ -58,12 +66,15 @@ __all__ = [
     "SummaryRow",
     "TeeSink",
     "decision_line",
+    "end_torn_tail",
     "follow_records",
     "format_ts",
     "iter_records",
+    "parse_record",
     "parse_ts",
     "read_records",
     "read_stream",
+    "record_line",
     "rotated_files",
     "rotated_name",
     "rotation_index",
@@ -104,6 +115,8 @@ _RFC3339 = re.compile(
     r"(?:[Zz]|([+-])(\d{2}):(\d{2}))",
     re.ASCII,
 )
+# The spelling record_line writes, which datetime.fromisoformat reads directly.
+_RFC3339_WRITTEN = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", re.ASCII)
 
 _E = TypeVar("_E", bound=StrEnum)
 
@@ -114,6 +127,10 @@ class AuditProtocol(StrEnum):
     HTTP = "http"
     CONNECT = "connect"
     SOCKS5 = "socks5"
+    # `run` with capture: a connection the child made without the proxy, and a DNS question
+    # the child asked egressbox's resolver in its namespace (port 0: a name has none).
+    TCP = "tcp"
+    DNS = "dns"
 
 
 class InvalidRecordError(AuditError, ValueError):
@@ -126,6 +143,9 @@ def _show(value: object, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# --------------------------------------------------------------------------- the serializer
+
+
 def format_ts(ts: datetime) -> str:
     """RFC 3339 UTC with milliseconds and 'Z', e.g. 2026-11-30T11:08:16.123Z."""
     # isoformat pads the year to four digits, which strftime("%Y") does not on glibc.
@@ -133,8 +153,42 @@ def format_ts(ts: datetime) -> str:
     return utc.isoformat(timespec="milliseconds") + "Z"
 
 
+# The host guard's verdicts, cached: a normalized host that passed it -> its JSON string
+# literal. A proxy meets the same few hundred names over and over; a lookup here replaces
+# the guard's regular expression and the escaping. Bounded: cleared when full.
+_HOST_CACHE_SIZE = 4096
+_host_json: dict[str, str] = {}
+
+
+def record_line(
+    protocol: AuditProtocol,
+    host: str,
+    port: int,
+    decision: Verdict,
+    reason: Reason,
+    *,
+    ts: str,
+) -> str:
+    """THE audit line, without its newline: every record egressbox writes or prints.
+
+    Byte for byte ``json.dumps(six-key dict, ensure_ascii=True, separators=(",", ":"))``
+    (a property test checks it for any host, escapes included): the enum values and
+    ``ts`` (``format_ts`` text) need no escaping, and the host is escaped by the same C
+    function json.dumps uses. It renders what it is given; ``AuditRecord`` and
+    ``decision_line`` check the fields first.
+    """
+    return '{"ts":"%s","protocol":"%s","host":%s,"port":%d,"decision":"%s","reason":"%s"}' % (  # noqa: UP031 (measured: faster than an f-string here)
+        ts,
+        protocol,
+        _host_json.get(host) or encode_basestring_ascii(host),
+        port,
+        decision,
+        reason,
+    )
+
+
 # The last second whose text was built, and that text up to the seconds ("...T11:08:16"):
-# the proxy writes many records per second, so to_json() rebuilds it once a second.
+# the proxy writes many records per second, so the text is rebuilt once a second.
 _FIRST_SECOND = datetime.min.replace(tzinfo=UTC)
 _last_second: list[tuple[datetime, str]] = [(_FIRST_SECOND, format_ts(_FIRST_SECOND)[:-5])]
 
@@ -151,11 +205,20 @@ def _record_ts(ts: datetime) -> str:
     return f"{text}.{ts.microsecond // 1000:03d}Z"
 
 
-# decision_line()'s cache: the last whole second (Unix time) and the line's opening up to
-# it ('{"ts":"2026-11-30T11:08:16'), rebuilt once a second.
-_line_second: list[tuple[int, str]] = [(-1, "")]
+# The same for decision_line's clock (Unix nanoseconds): the last whole second and its text.
+_ns_second: list[tuple[int, str]] = [(-1, "")]
 _NS = 1_000_000_000
 _NS_PER_MS = 1_000_000
+
+
+def _ns_ts(now_ns: int) -> str:
+    """format_ts of the instant ``now_ns`` (Unix ns), milliseconds rounded down."""
+    second = now_ns // _NS
+    last, text = _ns_second[0]
+    if second != last:
+        text = format_ts(datetime.fromtimestamp(second, UTC))[:-5]  # drop ".000Z"
+        _ns_second[0] = (second, text)
+    return f"{text}.{now_ns // _NS_PER_MS % 1000:03d}Z"
 
 
 def decision_line(
@@ -169,10 +232,10 @@ def decision_line(
 ) -> str | None:
     """The line ``AuditRecord`` stamped at ``now_ns`` (Unix ns) would write, built directly.
 
-    The proxy's fast path: no record object, no validation beyond what the fields need
-    (they come from a Decision). None when a field is not the plain kind the fast path
-    handles (a host that needs checking or escaping, a port out of range, a value that is
-    not its enum's member): build an AuditRecord then. A test checks the two agree.
+    The proxy's fast path for a decision's fields: no record object, the same checks
+    (enum members, port range, the host guard; a cache keeps the guard's verdict on hosts
+    seen before) and the same serializer. None when a field fails them: build an
+    AuditRecord then, which says what is wrong. A test checks the two agree.
     """
     if (
         type(protocol) is not AuditProtocol
@@ -180,30 +243,22 @@ def decision_line(
         or type(reason) is not Reason
         or type(port) is not int
         or not 0 <= port <= MAX_PORT
-        or _PLAIN_HOST.fullmatch(host) is None
+        or type(host) is not str
+        or (host not in _host_json and _host_problem(host) is not None)
     ):
         return None
-    second = now_ns // _NS
-    last, head = _line_second[0]
-    if second != last:
-        stamp = format_ts(datetime.fromtimestamp(second, UTC))[:-5]  # drop ".000Z"
-        head = '{"ts":"' + stamp
-        _line_second[0] = (second, head)
-    return '%s.%03dZ","protocol":"%s","host":"%s","port":%d,"decision":"%s","reason":"%s"}' % (  # noqa: UP031 (measured: faster than an f-string here)
-        head,
-        now_ns // _NS_PER_MS % 1000,
-        protocol.value,
-        host,
-        port,
-        decision.value,
-        reason.value,
-    )
+    return record_line(protocol, host, port, decision, reason, ts=_ns_ts(now_ns))
+
+
+# --------------------------------------------------------------------------- checks
 
 
 def parse_ts(text: object) -> datetime:
     """Parse an RFC 3339 UTC timestamp ('Z' or a zero offset) into an aware datetime."""
     if not isinstance(text, str):
         raise InvalidRecordError(f"ts must be a string, got {type(text).__name__}")
+    if _RFC3339_WRITTEN.fullmatch(text):
+        return _written_ts(text)
     match = _RFC3339.fullmatch(text)
     if match is None:
         raise InvalidRecordError(f"ts {_show(text)} is not an RFC 3339 timestamp")
@@ -215,6 +270,14 @@ def parse_ts(text: object) -> datetime:
         return datetime(
             int(year), int(month), int(day), int(hour), int(minute), int(second), micros, UTC
         )
+    except ValueError as exc:
+        raise InvalidRecordError(f"ts {_show(text)} is not a valid date and time: {exc}") from None
+
+
+def _written_ts(text: str) -> datetime:
+    """parse_ts for text in the spelling format_ts writes (checked by the caller)."""
+    try:
+        return datetime.fromisoformat(text)  # "...Z": tzinfo is UTC itself
     except ValueError as exc:
         raise InvalidRecordError(f"ts {_show(text)} is not a valid date and time: {exc}") from None
 
@@ -240,19 +303,35 @@ def _forbidden_in_host(char: str) -> bool:
     )
 
 
-def _check_host(value: object) -> None:
+def _host_problem(value: object) -> str | None:
+    """The host guard: what is wrong with ``value`` as a record's host, or None.
+
+    A host that passes is cached with its JSON text (see ``_host_json``).
+    """
     if not isinstance(value, str):
-        raise InvalidRecordError(f"host must be a string, got {type(value).__name__}")
+        return f"host must be a string, got {type(value).__name__}"
     if len(value) > MAX_HOST_CHARS:
-        raise InvalidRecordError(f"host is {len(value)} characters long (max {MAX_HOST_CHARS})")
-    if _PLAIN_HOST.fullmatch(value):
-        return  # the usual normalized name or IP text: nothing to look for
-    for index, char in enumerate(value):
-        if _forbidden_in_host(char):
-            raise InvalidRecordError(
-                f"host {_show(value)} has forbidden character {char!r} at index {index}: "
-                "audit hosts must be normalized names or IP text"
-            )
+        return f"host is {len(value)} characters long (max {MAX_HOST_CHARS})"
+    if not _PLAIN_HOST.fullmatch(value):  # else the usual normalized name or IP text
+        for index, char in enumerate(value):
+            if _forbidden_in_host(char):
+                return (
+                    f"host {_show(value)} has forbidden character {char!r} at index {index}: "
+                    "audit hosts must be normalized names or IP text"
+                )
+    if type(value) is str:
+        if len(_host_json) >= _HOST_CACHE_SIZE:
+            _host_json.clear()
+        _host_json[value] = encode_basestring_ascii(value)
+    return None
+
+
+def _check_host(value: object) -> None:
+    if type(value) is str and value in _host_json:
+        return
+    problem = _host_problem(value)
+    if problem is not None:
+        raise InvalidRecordError(problem)
 
 
 def _check_port(value: object) -> None:
@@ -263,16 +342,142 @@ def _check_port(value: object) -> None:
         raise InvalidRecordError(f"port {value} is out of range 0..{MAX_PORT}")
 
 
-def _coerce(kind: type[_E], value: object, name: str) -> _E:
+_PROTOCOLS = {member.value: member for member in AuditProtocol}
+_VERDICTS = {member.value: member for member in Verdict}
+_REASONS = {member.value: member for member in Reason}
+
+
+def _coerce(kind: type[_E], members: Mapping[str, _E], value: object, name: str) -> _E:
     if type(value) is kind:  # already a member (the proxy's case): kind(value) is value
         return value
     if not isinstance(value, str):
         raise InvalidRecordError(f"{name} must be a string, got {type(value).__name__}")
-    try:
-        return kind(value)
-    except ValueError:
+    member = members.get(value)
+    if member is None:
         choices = ", ".join(member.value for member in kind)
-        raise InvalidRecordError(f"{name} {_show(value)} is not one of: {choices}") from None
+        raise InvalidRecordError(f"{name} {_show(value)} is not one of: {choices}")
+    return member
+
+
+_Fields = tuple[datetime, AuditProtocol, str, int, Verdict, Reason]
+
+
+def _validated(  # noqa: PLR0917 - the six values of the contract, in its order
+    ts: object, protocol: object, host: object, port: object, decision: object, reason: object
+) -> _Fields:
+    """THE validation of a record's six values, built in code or parsed: normalized values,
+    or InvalidRecordError saying what is wrong. Checks in contract order.
+
+    Each check starts with the usual case inline (a member, a plain str found in the
+    table, a host the guard passed before), which a record costs on the proxy's and the
+    reader's hot paths; anything else goes to the full check that explains the problem.
+    """
+    if type(ts) is not datetime or ts.tzinfo is not UTC or ts.microsecond % 1000:
+        ts = _check_ts(ts)  # else already UTC in whole milliseconds (clock and parser)
+    if type(protocol) is not AuditProtocol:
+        protocol = (type(protocol) is str and _PROTOCOLS.get(protocol)) or _coerce(
+            AuditProtocol, _PROTOCOLS, protocol, "protocol"
+        )
+    if type(host) is not str or host not in _host_json:
+        _check_host(host)
+    if type(port) is not int or not 0 <= port <= MAX_PORT:
+        _check_port(port)
+    if type(decision) is not Verdict:
+        decision = (type(decision) is str and _VERDICTS.get(decision)) or _coerce(
+            Verdict, _VERDICTS, decision, "decision"
+        )
+    if type(reason) is not Reason:
+        reason = (type(reason) is str and _REASONS.get(reason)) or _coerce(
+            Reason, _REASONS, reason, "reason"
+        )
+    return ts, protocol, host, port, decision, reason  # type: ignore[return-value]
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    """One decision. Fields are validated (and enum strings coerced) on construction."""
+
+    ts: datetime
+    protocol: AuditProtocol
+    host: str
+    port: int
+    decision: Verdict
+    reason: Reason
+
+    def __post_init__(self) -> None:
+        # Frozen: normalized values go in through the slots' setters, once, here.
+        ts, protocol, _, _, decision, reason = _validated(
+            self.ts, self.protocol, self.host, self.port, self.decision, self.reason
+        )
+        _set_ts(self, ts)
+        _set_protocol(self, protocol)
+        _set_decision(self, decision)
+        _set_reason(self, reason)
+
+    @classmethod
+    def create(
+        cls,
+        protocol: AuditProtocol,
+        host: str,
+        port: int,
+        decision: Verdict,
+        reason: Reason,
+        *,
+        now: Callable[[], datetime] | None = None,
+    ) -> AuditRecord:
+        """A record stamped with the current UTC time (``now`` is the clock seam for tests)."""
+        clock = _utc_now if now is None else now
+        return cls(clock(), protocol, host, port, decision, reason)
+
+    def to_dict(self) -> dict[str, str | int]:
+        """The record as JSON-ready values, keys in contract order."""
+        return {
+            "ts": format_ts(self.ts),
+            "protocol": self.protocol.value,
+            "host": self.host,
+            "port": self.port,
+            "decision": self.decision.value,
+            "reason": self.reason.value,
+        }
+
+    def to_json(self) -> str:
+        """The record's line (``record_line``): compact, ASCII-only, no trailing newline."""
+        return record_line(
+            self.protocol, self.host, self.port, self.decision, self.reason, ts=_record_ts(self.ts)
+        )
+
+    @classmethod
+    def from_json(cls, line: str) -> AuditRecord:
+        """``parse_record(line)``: raises InvalidRecordError (an AuditError) on any flaw."""
+        return parse_record(line)
+
+
+# The slots' own setters, for the frozen class: object.__setattr__ would look each slot up
+# by name first (measured: a third of the cost of building a record).
+_set_ts, _set_protocol, _set_host, _set_port, _set_decision, _set_reason = (
+    AuditRecord.__dict__[name].__set__ for name in KEYS
+)
+
+
+# --------------------------------------------------------------------------- the parser
+
+# A lexer for the lines record_line writes, and for any line of the same shape: the six
+# keys in contract order, strings without escapes, an integer port, no spaces. For a line
+# it matches, its groups are exactly the values json.loads would give (JSON strings hold no
+# raw '"', '\\' or control character; a bounded integer literal is an int), so it only
+# saves the time of json.loads; every other line goes to json.loads. Either way the values
+# then meet the same validation, AuditRecord's. A property test checks the equivalence.
+_STRING = r'"([^"\\\x00-\x1f]*)"'
+_LINE_SHAPE = re.compile(
+    r'\{"ts":"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)",'  # format_ts's spelling
+    rf'"protocol":{_STRING},"host":{_STRING},'
+    rf'"port":(-?(?:0|[1-9][0-9]{{0,17}})),"decision":{_STRING},"reason":{_STRING}\}}\n?',
+    re.ASCII,  # \d is [0-9], as in JSON; the negated classes still take any other character
+)
 
 
 class _DuplicateKeyError(ValueError):
@@ -314,125 +519,38 @@ def _check_keys(data: Mapping[str, Any]) -> None:
         raise InvalidRecordError("; ".join(problems))
 
 
-def _utc_now() -> datetime:
-    return datetime.now(UTC)
+def parse_record(line: str) -> AuditRecord:
+    """THE parser: one line (its newline optional) into a validated record.
 
-
-@dataclass(frozen=True, slots=True)
-class AuditRecord:
-    """One decision. Fields are validated (and enum strings coerced) on construction."""
-
-    ts: datetime
-    protocol: AuditProtocol
-    host: str
-    port: int
-    decision: Verdict
-    reason: Reason
-
-    def __post_init__(self) -> None:
-        # Frozen: normalized values go in through object.__setattr__, once, here.
-        object.__setattr__(self, "ts", _check_ts(self.ts))
-        object.__setattr__(self, "protocol", _coerce(AuditProtocol, self.protocol, "protocol"))
-        _check_host(self.host)
-        _check_port(self.port)
-        object.__setattr__(self, "decision", _coerce(Verdict, self.decision, "decision"))
-        object.__setattr__(self, "reason", _coerce(Reason, self.reason, "reason"))
-
-    @classmethod
-    def create(
-        cls,
-        protocol: AuditProtocol,
-        host: str,
-        port: int,
-        decision: Verdict,
-        reason: Reason,
-        *,
-        now: Callable[[], datetime] | None = None,
-    ) -> AuditRecord:
-        """A record stamped with the current UTC time (``now`` is the clock seam for tests)."""
-        clock = _utc_now if now is None else now
-        return cls(clock(), protocol, host, port, decision, reason)
-
-    def to_dict(self) -> dict[str, str | int]:
-        """The record as JSON-ready values, keys in contract order."""
-        return {
-            "ts": format_ts(self.ts),
-            "protocol": self.protocol.value,
-            "host": self.host,
-            "port": self.port,
-            "decision": self.decision.value,
-            "reason": self.reason.value,
-        }
-
-    def to_json(self) -> str:
-        """One compact, ASCII-only JSON object without a trailing newline."""
-        if _PLAIN_HOST.fullmatch(self.host):
-            # Nothing to escape: the same text as json.dumps below, several times faster
-            # (the proxy writes one per connection; a test checks the two agree).
-            return (
-                f'{{"ts":"{_record_ts(self.ts)}","protocol":"{self.protocol.value}",'
-                f'"host":"{self.host}","port":{self.port},'
-                f'"decision":"{self.decision.value}","reason":"{self.reason.value}"}}'
-            )
-        return json.dumps(self.to_dict(), ensure_ascii=True, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, line: str) -> AuditRecord:
-        """Parse one line strictly; raises InvalidRecordError (an AuditError) on any flaw."""
-        fast = _from_canonical(line)
-        if fast is not None:
-            return fast
+    Exactly the six keys, each value of its type and known values for protocol, decision
+    and reason, a normalized host, a port in range, an RFC 3339 UTC ts; anything else
+    raises InvalidRecordError (an AuditError and a ValueError) saying what is wrong.
+    Whitespace around the object is JSON's and allowed (a blanked fragment leaves spaces
+    before the next record; see JsonlFileSink).
+    """
+    match = _LINE_SHAPE.fullmatch(line)
+    if match is not None:
+        ts, protocol, host, port, decision, reason = match.groups()
+        fields = _validated(_written_ts(ts), protocol, host, int(port), decision, reason)
+    else:  # any other spelling of an object: json.loads reads it
         data = _load_object(line)
         _check_keys(data)
-        return cls(
-            ts=parse_ts(data["ts"]),
-            protocol=data["protocol"],
-            host=data["host"],
-            port=data["port"],
-            decision=data["decision"],
-            reason=data["reason"],
+        fields = _validated(
+            parse_ts(data["ts"]),
+            data["protocol"],
+            data["host"],
+            data["port"],
+            data["decision"],
+            data["reason"],
         )
-
-
-# The exact shape to_json() writes for a plain ASCII host: such a line is decoded with one
-# regular expression instead of json.loads and the per-character host check, about four
-# times faster. Anything else (escaped hosts, other spacing, any flaw) takes the strict path,
-# so both paths accept the same lines and build equal records (a test checks this).
-_CANONICAL = re.compile(
-    r'\{"ts":"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)",'
-    r'"protocol":"(http|connect|socks5)",'
-    r'"host":"([0-9A-Za-z._:-]{0,255})",'
-    r'"port":(0|[1-9][0-9]{0,4}),'
-    r'"decision":"(allow|deny|would_deny)",'
-    r'"reason":"([a-z_]{1,64})"\}\n?',
-    re.ASCII,
-)
-_PROTOCOLS = {member.value: member for member in AuditProtocol}
-_VERDICTS = {member.value: member for member in Verdict}
-_REASONS = {member.value: member for member in Reason}
-
-
-def _from_canonical(line: str) -> AuditRecord | None:
-    match = _CANONICAL.fullmatch(line)
-    if match is None:
-        return None
-    ts_text, protocol, host, port_text, decision, reason_text = match.groups()
-    port, reason = int(port_text), _REASONS.get(reason_text)
-    if port > MAX_PORT or reason is None:
-        return None
-    try:
-        ts = datetime.fromisoformat(ts_text)  # "...Z": tzinfo is UTC itself
-    except ValueError:
-        return None
-    # Every field is already valid and normalized: skip __post_init__'s checks.
+    # Validated once, by _validated: __init__ would only do it again.
     record = object.__new__(AuditRecord)
-    setattr_ = object.__setattr__
-    setattr_(record, "ts", ts)
-    setattr_(record, "protocol", _PROTOCOLS[protocol])
-    setattr_(record, "host", host)
-    setattr_(record, "port", port)
-    setattr_(record, "decision", _VERDICTS[decision])
-    setattr_(record, "reason", reason)
+    _set_ts(record, fields[0])
+    _set_protocol(record, fields[1])
+    _set_host(record, fields[2])
+    _set_port(record, fields[3])
+    _set_decision(record, fields[4])
+    _set_reason(record, fields[5])
     return record
 
 
@@ -469,7 +587,7 @@ class _FdSink:
         self.write_json(record.to_json())
 
     def write_json(self, text: str) -> None:
-        """Write one record given as its JSON text (``record.to_json()`` or decision_line())."""
+        """Write one record given as its line (``record.to_json()`` or decision_line())."""
         self._write_line(text.encode("ascii"))
 
     def _write_line(self, line: bytes) -> None:
@@ -481,10 +599,7 @@ class _FdSink:
             raise AuditError(f"cannot write audit record to {self._name}: {exc}") from exc
         if written != len(data):
             self._torn = not _end_line(fd)
-            raise AuditError(
-                f"short write of audit record to {self._name}: {written} of {len(data)} "
-                "bytes (disk full, file size limit or an interrupted terminal write)"
-            )
+            raise _short_write(self._name, written, len(data))
         self._torn = False
 
     def close(self) -> None:
@@ -507,6 +622,13 @@ class _FdSink:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _short_write(name: str, written: int, size: int) -> AuditError:
+    return AuditError(
+        f"short write of audit record to {name}: {written} of {size} bytes "
+        "(disk full, file size limit or an interrupted terminal write)"
+    )
 
 
 def _end_line(fd: int) -> bool:
@@ -583,8 +705,16 @@ def _describe_open_error(path: str, exc: OSError) -> AuditError:
     return AuditError(f"audit log {path} {why}")
 
 
+# How much of a file's end is read to tell a fragment from a blanked one.
+_TAIL_PEEK = 8192
+
+
 def _ends_in_fragment(path: str, info: os.stat_result) -> bool:
-    """True if the existing file's last byte is not a newline (a writer died mid-record)."""
+    """True if the existing file ends in part of a line (a writer died mid-record).
+
+    Spaces after the last newline are a blanked fragment (see JsonlFileSink): the next
+    record may follow them on the same line.
+    """
     if info.st_size == 0:
         return False
     try:
@@ -595,17 +725,152 @@ def _ends_in_fragment(path: str, info: os.stat_result) -> bool:
         again = os.fstat(fd)
         if (again.st_dev, again.st_ino) != (info.st_dev, info.st_ino):
             return False  # the path was replaced meanwhile; it is not our file
-        return os.pread(fd, 1, info.st_size - 1) != b"\n"
+        peek = min(info.st_size, _TAIL_PEEK)
+        tail = os.pread(fd, peek, info.st_size - peek).rpartition(b"\n")[2]
+        return tail.strip(b" ") != b""
     except OSError:
         return False
     finally:
         os.close(fd)
 
 
+def end_torn_tail(path: str) -> None:
+    """Append a newline to a log whose last record a crash cut short (best effort).
+
+    For a process about to start several writers (``serve --workers``): done once, before
+    any of them opens the file. A blanked tail (spaces) is no fragment and stays as it is.
+    """
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if _ends_in_fragment(path, os.fstat(fd)):
+                os.write(fd, b"\n")
+        finally:
+            os.close(fd)
+
+
+# ---- space reserved ahead of the end of the log
+
+# Writers a file sink's reserve is sized for by default: every `serve --workers N` up to 64
+# (each worker has its own sink on the file), and then some.
+DEFAULT_WRITERS = 64
+# A sink looks at the reserve before a write that takes its own bytes since the last look
+# past this: more than the longest valid record, so a look per record is never needed.
+_CHECK_BYTES = 4096
+# Reserved at a time when the reserve runs low (at least twice the margin).
+_RESERVE_CHUNK = 1 << 20
+_FALLOC_FL_KEEP_SIZE = 0x01
+# fallocate errors that mean "not here" (the file system or the kernel cannot): reserving
+# is then given up for that file, and a short write's fragment is blanked instead.
+_UNSUPPORTED = frozenset(
+    {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.EPERM, errno.EACCES}
+)
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+Allocate = Callable[[int, int, int], int]
+
+
+@functools.cache
+def _libc_fallocate() -> Allocate | None:
+    """fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) -> 0 or an errno; None if absent."""
+    try:
+        import ctypes  # here: only a file sink needs it, and it costs ~2 ms to import
+    except ImportError:  # pragma: no cover - every CPython build we run has it
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = getattr(libc, "fallocate64", None) or libc.fallocate
+    except (OSError, AttributeError):
+        return None  # not Linux (or no libc symbol): no reserve, the blanking still holds
+    call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    call.restype = ctypes.c_int
+
+    def allocate(fd: int, offset: int, length: int) -> int:
+        for _ in range(3):  # ctypes does not retry EINTR the way the os module does
+            if call(fd, _FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+                return 0
+            code = ctypes.get_errno()
+            if code != errno.EINTR:
+                return code
+        return errno.EINTR
+
+    return allocate
+
+
+def _allocate(fd: int, offset: int, length: int) -> int:
+    """Reserve ``length`` bytes from ``offset`` without changing the size: 0 or an errno.
+
+    A module-level seam: tests replace it to run a sink as on a file system without
+    fallocate.
+    """
+    call = _libc_fallocate()
+    return errno.ENOSYS if call is None else call(fd, offset, length)
+
+
+def _blank(fd: int, fragment: bytes, offset: int) -> bool:
+    """Overwrite ``fragment`` at ``offset`` in fd's file with as many spaces; True if done.
+
+    Through a second, non-appending descriptor on the same file (pwrite on an O_APPEND
+    descriptor appends), after checking that those bytes are the fragment indeed. Only the
+    fragment's own bytes are touched, whatever other writers appended after it, and an
+    overwrite in place needs no new block (on a copy-on-write file system it may; then it
+    fails and the caller falls back to a newline).
+    """
+    try:
+        other = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return False  # no /proc, or the file is not readable: no way to check the bytes
+    try:
+        if not _same_inode(os.fstat(fd), os.fstat(other)):
+            return False
+        if os.pread(other, len(fragment), offset) != fragment:
+            return False
+        return os.pwrite(other, b" " * len(fragment), offset) == len(fragment)
+    except OSError:
+        return False
+    finally:
+        os.close(other)
+
+
 class JsonlFileSink(_FdSink):
     """Appends records to a regular file (created with ``mode``) as JSON Lines.
 
     Safe to share between threads, and between processes that each open the same path.
+
+    Whole or absent, also on a full disk. Two mechanisms, the first one the rule:
+
+    1. Space reserved ahead. The sink keeps blocks allocated beyond the end of the file
+       (``fallocate(FALLOC_FL_KEEP_SIZE)``: the size stays, the blocks are the file's), so
+       that an appended record lands in blocks that exist and a write never runs out of
+       space half-way. Before a write that takes its own bytes since its last look past
+       4 KiB (more than any record), the sink looks (``fstat``: ``st_blocks * 512 -
+       st_size``) and, when the reserve is under ``writers * 4 KiB``, allocates 1 MiB more
+       (at least twice that margin). Every writer does the same, so between two looks by
+       anyone at most ``writers * 4 KiB`` is appended: the reserve covers it for up to
+       ``writers`` processes. When the reserve cannot be made (ENOSPC, EDQUOT), the record
+       is not written at all and write() raises AuditError: the record is absent, and
+       the proxy refuses (and asks ``can_write()`` again now and then to recover). The
+       cost is one ``fstat`` per 4 KiB written and one ``fallocate`` per ~0.75 MiB.
+       With ``max_bytes`` the reserve stops at ``max_bytes``: the file rotates before
+       it would grow past it, so nothing is left reserved in a rotated file. This holds
+       where writing into allocated blocks needs no new ones: tmpfs, ext4, XFS; on a
+       copy-on-write file system (btrfs) metadata may still run out, and 2. applies.
+    2. A fragment blanked in place. Where space cannot be reserved (no fallocate: some
+       network and FUSE file systems), or a write is cut short anyway (RLIMIT_FSIZE, more
+       writers than ``writers``), a short write's bytes are overwritten with spaces at the
+       offset where they landed (the descriptor's offset after an O_APPEND write is the end
+       of that write, and the bytes are compared before they are overwritten). Only those
+       bytes are touched: whatever another process appended after them stays. The spaces
+       become leading whitespace of the next record on that line, which JSON allows and
+       the reader accepts; spaces at the very end of the file are no record and no tear.
+       Only if that overwrite fails (no /proc, a copy-on-write file system still full) is
+       the fragment ended by the next write's leading newline: a malformed line, reported
+       by the reader, never a record glued to another.
+
+    The fragment is not cut off with ftruncate, though it could look safe when the file's
+    size shows nobody appended after it: between that fstat and the ftruncate another
+    process may append a whole record (space freed meanwhile), which the ftruncate would
+    then destroy after its writer was told it was written.
 
     Rotation (``max_bytes``): before a write that would take the file past ``max_bytes``,
     ``audit.jsonl`` becomes ``audit.jsonl.1`` (``.1`` becomes ``.2`` and so on, ``.gz``
@@ -617,10 +882,12 @@ class JsonlFileSink(_FdSink):
     renamed file.
 
     ``reopen()`` is for an external logrotate: after it has renamed the file, a signal
-    handler calls ``reopen()`` and the sink continues in a new file at the same path.
-    Writes, rotation and reopen hold one lock, so no thread writes to a closed descriptor;
-    call reopen() from an event loop (``loop.add_signal_handler``) or another thread, never
-    from a ``signal.signal`` handler that may interrupt a write in the same thread.
+    handler calls ``reopen()`` and the sink continues in a new file at the same path (the
+    old file keeps its unused reserve, at most 1 MiB, until it is compressed or removed:
+    other workers may still append to it). Writes, rotation and reopen hold one lock, so no
+    thread writes to a closed descriptor; call reopen() from an event loop
+    (``loop.add_signal_handler``) or another thread, never from a ``signal.signal``
+    handler that may interrupt a write in the same thread.
     """
 
     def __init__(
@@ -630,32 +897,61 @@ class JsonlFileSink(_FdSink):
         mode: int = 0o600,
         max_bytes: int | None = None,
         keep: int = DEFAULT_KEEP,
+        writers: int = DEFAULT_WRITERS,
     ) -> None:
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
         if keep < 1:
             raise ValueError(f"keep must be at least 1 rotated file, got {keep}")
+        if writers < 1:
+            raise ValueError(f"writers must be at least 1, got {writers}")
         self.path = os.fspath(path)
         self.max_bytes = max_bytes
         self.keep = keep
         self._mode = mode
         self._lock = threading.Lock()
+        self._margin = writers * _CHECK_BYTES
+        self._chunk = max(_RESERVE_CHUNK, 2 * self._margin)
+        self._reserving = True  # until fallocate says this file system cannot
         fd, info = _open_append(self.path, mode)
         super().__init__(fd, self.path, owns_fd=True)
         self._torn = _ends_in_fragment(self.path, info)
         self._size = info.st_size
+        self._unchecked = _CHECK_BYTES  # bytes written since the last look at the reserve
 
     def write(self, record: AuditRecord) -> None:
         self.write_json(record.to_json())
 
     def write_json(self, text: str) -> None:
-        line = text.encode("ascii")
+        data = (text + "\n").encode("ascii")
         with self._lock:
             if self.max_bytes is not None:
                 # The line, its newline, and the newline that ends a torn tail, if any.
-                self._rotate_if_full(len(line) + 1 + self._torn)
-            self._size += len(line) + 1 + self._torn
-            self._write_line(line)
+                self._rotate_if_full(len(data) + self._torn)
+            size = len(data) + self._torn
+            if self._unchecked + size > _CHECK_BYTES:
+                failed = self._reserve()
+                if failed is not None:
+                    raise AuditError(
+                        f"cannot write audit record to {self.path}: cannot reserve space "
+                        f"ahead of its end ({failed}); the record was not written"
+                    ) from failed
+            self._unchecked += size
+            self._size += size
+            self._write_data(data)
+
+    def can_write(self) -> bool:
+        """True if a record would find room now (for a writer refusing after a failure).
+
+        Makes the reserve where the file system can; elsewhere asks statvfs for free
+        space and RLIMIT_FSIZE for room. Never writes.
+        """
+        with self._lock:
+            if self._fd is None:
+                return False
+            if self._reserving:
+                return self._reserve() is None
+            return self._room_without_reserve()
 
     def reopen(self) -> None:
         """Open ``path`` anew (after an external rename); on failure keep the old file."""
@@ -670,6 +966,78 @@ class JsonlFileSink(_FdSink):
     def close(self) -> None:
         with self._lock:
             super().close()
+
+    def _write_line(self, line: bytes) -> None:
+        self._write_data(line + b"\n")
+
+    def _write_data(self, data: bytes) -> None:
+        """One write(2) of a line and its newline; a short write's fragment is blanked."""
+        fd = self._fd
+        if fd is None:
+            raise AuditError(f"audit sink {self.path} is closed")
+        lead = self._torn  # the first byte then ends a fragment before us: keep it
+        if lead:
+            data = b"\n" + data
+        try:
+            written = os.write(fd, data)
+        except OSError as exc:
+            raise AuditError(f"cannot write audit record to {self.path}: {exc}") from exc
+        if written != len(data):
+            self._torn = not self._blank_short_write(fd, data[:written], lead)
+            raise _short_write(self.path, written, len(data))
+        self._torn = False
+
+    def _blank_short_write(self, fd: int, landed: bytes, lead: bool) -> bool:
+        """Blank the part of a record a short write left; True if no fragment remains."""
+        try:
+            end = os.lseek(fd, 0, os.SEEK_CUR)  # O_APPEND: the end of what just landed
+        except OSError:
+            return False
+        start = end - len(landed) + lead
+        fragment = landed[lead:]
+        return not fragment or _blank(fd, fragment, start)
+
+    def _reserve(self) -> OSError | None:
+        """Make sure the space the next records need is allocated; None, or what failed."""
+        if not self._reserving:
+            self._unchecked = 0
+            return None
+        fd = self.fileno()
+        try:
+            info = os.fstat(fd)
+        except OSError as exc:
+            return exc
+        needed, length = self._margin, self._chunk
+        if self.max_bytes is not None:
+            # The file rotates before it grows past max_bytes: reserve up to there only.
+            room = max(self.max_bytes - info.st_size, _CHECK_BYTES)
+            needed, length = min(needed, room), min(length, room)
+        if info.st_blocks * 512 - info.st_size >= needed:
+            self._unchecked = 0
+            return None
+        code = _allocate(fd, info.st_size, length)
+        if code in _NO_ROOM and length > needed:
+            code = _allocate(fd, info.st_size, needed)  # what is left may still do
+        if code == 0:
+            self._unchecked = 0
+            return None
+        if code in _UNSUPPORTED:
+            self._reserving = False  # blanking a short write's fragment still holds
+            self._unchecked = 0
+            return None
+        return OSError(code, f"{os.strerror(code)}: {needed} bytes")
+
+    def _room_without_reserve(self) -> bool:
+        import resource  # the slow path of a failed log only
+
+        try:
+            fs = os.fstatvfs(self.fileno())
+        except OSError:
+            return False
+        if fs.f_bavail * fs.f_frsize < self._margin:
+            return False
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return soft == resource.RLIM_INFINITY or self._size + _CHECK_BYTES <= soft
 
     def _rotate_if_full(self, needed: int) -> None:
         # The size is counted here, and asked of the kernel (fstat) only when the count
@@ -699,6 +1067,7 @@ class JsonlFileSink(_FdSink):
         old, self._fd = self._fd, fd
         self._torn = _ends_in_fragment(self.path, info)
         self._size = info.st_size
+        self._unchecked = _CHECK_BYTES  # a new file: look at its reserve before writing
         if old is not None:
             with contextlib.suppress(OSError):
                 os.close(old)
@@ -861,11 +1230,19 @@ class MalformedLine:
 _TORN = "torn final line (no trailing newline): a writer stopped mid-record"
 
 
+def _blanked(tail: str | bytes) -> bool:
+    """True for a final line of spaces only: a fragment blanked by JsonlFileSink, waiting
+    for the next record to follow it; no record, and no tear."""
+    if isinstance(tail, str):
+        return bool(tail) and not tail.strip(" ")
+    return bool(tail) and not tail.strip(b" ")
+
+
 def _parse_line(text: str, source: str, number: int) -> AuditRecord | MalformedLine:
     if len(text) > MAX_LINE_BYTES:
         return MalformedLine(source, number, f"line longer than {MAX_LINE_BYTES} characters")
     try:
-        return AuditRecord.from_json(text)
+        return parse_record(text)
     except AuditError as exc:
         return MalformedLine(source, number, str(exc))
 
@@ -876,8 +1253,9 @@ def iter_records(
     """Parse lines as iterating a text file yields them (each ending in a newline).
 
     Yields one item per line, numbered from 1, and never raises for bad content. A final
-    line without its newline is torn and reported as malformed; pass
-    ``text.splitlines(keepends=True)`` rather than ``text.splitlines()``.
+    line without its newline is torn and reported as malformed (unless it is only spaces,
+    see ``_blanked``); pass ``text.splitlines(keepends=True)`` rather than
+    ``text.splitlines()``.
     """
     pending: tuple[int, str] | None = None
     for number, line in enumerate(lines, start=1):
@@ -889,7 +1267,7 @@ def iter_records(
             yield _parse_line(line, source, number)
         else:
             pending = (number, line)
-    if pending is not None:
+    if pending is not None and not _blanked(pending[1]):
         yield MalformedLine(source, pending[0], _TORN)
 
 
@@ -941,6 +1319,8 @@ def _records_from(
     number = 0
     try:
         for number, raw in enumerate(_bounded_lines(stream), start=1):
+            if raw is not None and not raw.endswith(b"\n") and _blanked(raw):
+                break  # the final line, blanked: nothing to report
             yield _decode_line(raw, source, number)
             if tick is not None and number % _PROGRESS_EVERY == 0:
                 tick()
@@ -1050,7 +1430,7 @@ class _Tail:
 
     def flush(self) -> Iterator[AuditRecord | MalformedLine]:
         """The file is done with (rotated away, truncated): a leftover fragment is torn."""
-        if self.pending or self.skipping:
+        if self.skipping or (self.pending and not _blanked(self.pending)):
             self.line += 1
             yield MalformedLine(self.path, self.line, _TORN)
         self.pending, self.skipping = b"", False

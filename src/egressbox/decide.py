@@ -6,9 +6,10 @@ and is the contract of DESIGN §3:
 
 1. no policy -> deny; deny patterns beat allow patterns;
 2. no allow match -> deny *before* any DNS query (report mode: would_deny);
-3. every address: deny_cidrs, then the proxy's own listeners, then the
-   private/special-range ban (lifted only by allow_cidrs or private = true),
-   each also for an IPv4 address embedded in an IPv6 one;
+3. every address: deny_cidrs, then the proxy's own listeners, then cloud
+   metadata endpoints (lifted only by an allow entry naming that exact
+   address), then the private/special-range ban (lifted only by allow_cidrs
+   or private = true), each also for an IPv4 address embedded in an IPv6 one;
 4. one denied address denies the name (a mixed answer signals rebinding);
 5. the decision carries the checked addresses: the dialer uses only these.
 """
@@ -40,7 +41,7 @@ from egressbox.hosts import (
     parse_port,
 )
 from egressbox.policy import Mode, Policy
-from egressbox.rules import Rule
+from egressbox.rules import Rule, RuleKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +166,22 @@ def decide_name(policy: Policy | None, target: Target) -> Decision | NamePass:
     what = "IP address" if host.is_ip else "name"
     if policy.mode is Mode.REPORT:
         return NamePass(target, None, Reason.NO_ALLOW_RULE)
-    return deny(Reason.NO_ALLOW_RULE, target, _no_rule_detail(target, what))
+    return deny(Reason.NO_ALLOW_RULE, target, _no_rule_detail(policy, target, what))
 
 
-def _no_rule_detail(target: Target, what: str) -> str:
-    hint = " (a name entry never admits an IP literal)" if target.host.is_ip else ""
-    return f"no allow entry matches the {what} {target.host.authority(target.port)}{hint}"
+def _no_rule_detail(policy: Policy, target: Target, what: str) -> str:
+    host = target.host
+    near = policy.allow.for_any_port(host.text, host.ip)
+    if near:
+        # The host is admitted, on other ports: say which, not why names and IPs differ.
+        ports = ", ".join(sorted({str(r.port) for r in near if r.port is not None}))
+        return (
+            f"no allow entry admits port {target.port} of {host.text}: "
+            f"{', '.join(r.text for r in near[:3])} admit{'s' if len(near) == 1 else ''} "
+            f"port{'s' if ',' in ports else ''} {ports} only"
+        )
+    hint = " (a name entry never admits an IP literal)" if host.is_ip else ""
+    return f"no allow entry matches the {what} {host.authority(target.port)}{hint}"
 
 
 def decide_addresses(
@@ -201,7 +212,7 @@ def decide_addresses(
             return deny(refusal.reason, target, refusal.detail, rule=blamed, addresses=checked)
     if passed.would_deny is not None:
         detail = "report mode: " + _no_rule_detail(
-            target, "IP address" if target.host.is_ip else "name"
+            policy, target, "IP address" if target.host.is_ip else "name"
         )
         return Decision(
             Verdict.WOULD_DENY,
@@ -249,14 +260,41 @@ def check_address(
     # an IPv4 entry never admits an IPv6 form wrapping that IPv4 address.
     granted = policy.allow_cidr_for(ip) is not None
     private_ok = policy.allow_private or (rule is not None and rule.private)
+    banned: Refusal | None = None
     for addr in addrs:
         category = lookup(addr).category
-        if is_routable(category) or granted:
+        if category is Category.METADATA:
+            # Nothing broad lifts this (allow_cidrs, allow_private, a CIDR
+            # entry, a name): only the entry naming this very address, which
+            # a wrapped form never is. It outranks the wrapper's own ban.
+            if not _names_exactly(rule, addr):
+                return Refusal(Reason.METADATA_ADDRESS, _metadata_detail(ip, addr))
+            continue
+        if banned is not None or is_routable(category) or granted:
             continue
         if category in PRIVATE_LIKE and private_ok:
             continue
-        return Refusal(reason_for(category), _range_detail(canonical_ip_text(ip), addr))
-    return None
+        banned = Refusal(reason_for(category), _range_detail(canonical_ip_text(ip), addr))
+    return banned
+
+
+def _names_exactly(rule: Rule | None, addr: IPAddress) -> bool:
+    """Whether `rule` is an IP-literal allow entry for exactly `addr`.
+
+    Such a rule matched only because the target was that IP literal: names
+    never match IP entries, and a CIDR entry is never "exact", even a /32.
+    """
+    return rule is not None and rule.kind is RuleKind.IP and rule.value == canonical_ip_text(addr)
+
+
+def _metadata_detail(ip: IPAddress, addr: IPAddress) -> str:
+    text = canonical_ip_text(ip)
+    inner = "" if addr == ip else f" (it carries {canonical_ip_text(addr)})"
+    return (
+        f"{text}{inner} is a cloud metadata endpoint ({lookup(addr).name}); only an allow"
+        " entry naming exactly that address, asked for as that IP literal, admits it"
+        " (allow_cidrs, allow_private, CIDR entries and names never do)"
+    )
 
 
 def _range_detail(text: str, addr: IPAddress) -> str:

@@ -23,6 +23,9 @@ class Reason(StrEnum):
     DENY_CIDR = "deny_cidr"
     PRIVATE_ADDRESS = "private_address"
     SPECIAL_ADDRESS = "special_address"
+    # A cloud metadata or instance-identity endpoint (addresses.METADATA_ENDPOINTS):
+    # admitted only by an allow entry naming that exact address.
+    METADATA_ADDRESS = "metadata_address"
     SELF_CONNECTION = "self_connection"
     DNS_FAILURE = "dns_failure"
     DNS_TIMEOUT = "dns_timeout"
@@ -30,6 +33,9 @@ class Reason(StrEnum):
     BAD_PORT = "bad_port"
     NO_POLICY = "no_policy"
     TOO_MANY_CONNECTIONS = "too_many_connections"
+    # A tunnel's TLS ClientHello names another host than its target (or cannot
+    # be read): the tunnel is closed before any byte goes upstream.
+    SNI_MISMATCH = "sni_mismatch"
     # Replies and logs only: the audit sink failed, so nothing is admitted
     # (and no record can say so).
     AUDIT_UNAVAILABLE = "audit_unavailable"

@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from egressbox import limits as lim
-from egressbox.addresses import PRIVATE_LIKE, is_routable, lookup
+from egressbox.addresses import PRIVATE_LIKE, Category, is_routable, lookup
 from egressbox.errors import HostError, PolicyError
 
 if TYPE_CHECKING:
@@ -34,6 +34,13 @@ ENV_DENY = "EGRESSBOX_DENY"
 class Mode(StrEnum):
     ENFORCE = "enforce"
     REPORT = "report"
+
+
+class TlsNameCheck(StrEnum):
+    """[egress] tls_name_check: a tunnel's ClientHello must name its target (DESIGN §3)."""
+
+    ENFORCE = "enforce"
+    OFF = "off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +130,7 @@ class Policy:
     deny_cidrs: tuple[IPNetwork, ...] = ()
     allow_private: bool = False
     mode: Mode = Mode.ENFORCE
+    tls_name_check: TlsNameCheck = TlsNameCheck.ENFORCE
     dns: DnsSettings = field(default_factory=DnsSettings)
     limits: lim.Limits = field(default_factory=lim.Limits)
     source: str = ""
@@ -150,7 +158,15 @@ class Policy:
         return self._deny_cidr_index.first(ip)
 
 
-EGRESS_KEYS = ("allow", "deny", "allow_cidrs", "deny_cidrs", "allow_private", "mode")
+EGRESS_KEYS = (
+    "allow",
+    "deny",
+    "allow_cidrs",
+    "deny_cidrs",
+    "allow_private",
+    "mode",
+    "tls_name_check",
+)
 DNS_KEYS = ("nameservers", "timeout", "cache_size", "max_ttl")
 PROCESS_KEYS = ("profile", "timeout", "rlimit_nofile", "rlimit_as", "max_processes", "max_memory")
 # max_processes: the kernel refuses a PID namespace's pid_max below 301 (PID_MAX_MIN).
@@ -269,6 +285,7 @@ class _Parser:
         deny_cidrs = self.cidrs(egress, "deny_cidrs", check_breadth=False)
         allow_private = self.boolean(egress, "allow_private", "egress.allow_private")
         mode = self.mode(egress)
+        tls_name_check = self.tls_name_check(egress)
         settings = self.run_settings(data)
         policy = Policy(
             allow=RuleSet.build(allow),
@@ -277,6 +294,7 @@ class _Parser:
             deny_cidrs=tuple(deny_cidrs),
             allow_private=allow_private,
             mode=mode,
+            tls_name_check=tls_name_check,
             dns=self.dns(self.table(data, "dns")),
             limits=self.limits(self.table(data, "limits")),
             process=settings.process,
@@ -399,6 +417,14 @@ class _Parser:
             self.problem(path, f"must be true or false, got {_type_name(value)}")
             return False
         return value
+
+    def tls_name_check(self, egress: Mapping[str, Any]) -> TlsNameCheck:
+        value = egress.get("tls_name_check", "enforce")
+        try:
+            return TlsNameCheck(value)
+        except ValueError:
+            self.problem("egress.tls_name_check", f'must be "enforce" or "off", got {value!r}')
+            return TlsNameCheck.ENFORCE
 
     def mode(self, egress: Mapping[str, Any]) -> Mode:
         value = egress.get("mode", "enforce")
@@ -730,6 +756,8 @@ class _Parser:
             )
         if policy.mode is Mode.REPORT:
             self.warnings.append(REPORT_MODE_WARNING)
+        if policy.tls_name_check is TlsNameCheck.OFF:
+            self.warnings.append(TLS_NAME_CHECK_OFF_WARNING)
 
     def warn_rule(self, policy: Policy, rule: Rule, path: str) -> None:
         from egressbox.rules import RuleKind
@@ -742,7 +770,17 @@ class _Parser:
         ip = _rule_address(rule)
         if ip is None:
             return
-        category = lookup(ip).category
+        entry = lookup(ip)
+        category = entry.category
+        if category is Category.METADATA:
+            exact = rule.kind is RuleKind.IP
+            what = f'{path}: "{rule.text}" {"names" if exact else "covers"} {entry.name}, a cloud'
+            if exact:
+                what += " metadata endpoint: it opens this instance's credentials to every client"
+            else:
+                what += " metadata endpoint that stays denied unless an entry names it exactly"
+            self.warnings.append(what)
+            return
         if is_routable(category) or policy.allow_cidr_for(ip) is not None:
             return
         if category in PRIVATE_LIKE and (rule.private or policy.allow_private):
@@ -757,6 +795,11 @@ class _Parser:
             )
         )
 
+
+TLS_NAME_CHECK_OFF_WARNING = (
+    'tls_name_check = "off": a tunnel to an allowed name carries any TLS ClientHello, so a client '
+    "can name another host served at the same addresses (domain fronting under an allowed CDN)"
+)
 
 REPORT_MODE_WARNING = (
     'mode = "report": destinations outside the allow list are let through and audited as '

@@ -41,6 +41,7 @@ import fcntl
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import cast
@@ -528,6 +529,7 @@ class Tunnel:
     __slots__ = (
         "_bulk",
         "_done",
+        "_early",
         "_idle",
         "_last",
         "_loop",
@@ -570,6 +572,7 @@ class Tunnel:
         self._sides = (_Side(self, True), _Side(self, False))
         self._sides[0].peer, self._sides[1].peer = self._sides[1], self._sides[0]
         self._splicer: _Splicer | None = None
+        self._early: Callable[[], None] | None = None
 
     # Public view ----------------------------------------------------------------
 
@@ -592,6 +595,20 @@ class Tunnel:
     def abort(self) -> None:
         """Close both sides now, dropping anything unsent (server drain)."""
         self._finish(CloseReason.ABORTED, force=True)
+
+    def on_upstream_first(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` once if the upstream sends, ends or fails before the tunnel
+        starts (a tunnel held back for its client's first bytes: the server spoke first),
+        at once if it already has. The bytes are held as always; None forgets it."""
+        self._early = callback
+        u = self._sides[1]
+        if callback is not None and not self._running and (u.stash or u.eof or u.lost):
+            self._upstream_first()
+
+    def _upstream_first(self) -> None:
+        callback, self._early = self._early, None
+        if callback is not None:
+            callback()
 
     @property
     def upstream_protocol(self) -> asyncio.Protocol:
@@ -665,6 +682,8 @@ class Tunnel:
         if not self._running:  # uvloop reads before the tunnel has started
             side.stash = [*(side.stash or ()), data]
             side.pause()
+            if not side.client:
+                self._upstream_first()
             return
         if self._reason is not None:
             return  # closing: nothing more goes out
@@ -678,6 +697,8 @@ class Tunnel:
 
     def _side_eof(self, side: _Side) -> None:
         side.eof = True
+        if not self._running and not side.client:
+            self._upstream_first()
         if not self._running or self._reason is not None:
             return
         side.peer.write_eof()
@@ -690,6 +711,8 @@ class Tunnel:
         elif self._reason is None and self._running:  # closed under us: end the other side too
             self._finish(CloseReason.EOF, force=True)
         self._maybe_complete()
+        if not self._running and not side.client:
+            self._upstream_first()
 
     def _maybe_complete(self) -> None:
         if self._opened and all(s.lost for s in self._sides):
@@ -893,6 +916,7 @@ def open_tunnel_with_upstream(
     *,
     initial_to_upstream: bytes = b"",
     initial_to_client: bytes = b"",
+    client_eof: bool = False,
 ) -> Tunnel:
     """Start a new_tunnel() between the client's transport and its connected upstream.
 
@@ -902,7 +926,8 @@ def open_tunnel_with_upstream(
     transports belong to the tunnel from here on, also when this raises
     ValueError (the client is closing or busy, or `upstream` was not made with
     the tunnel's upstream protocol), in which case the upstream is aborted and
-    the client left to the caller.
+    the client left to the caller. `client_eof`: the client already sent EOF
+    (after `initial_to_upstream`), which is passed on.
     """
     c, u = tunnel._sides
     if (
@@ -918,8 +943,10 @@ def open_tunnel_with_upstream(
     tunnel._started = tunnel._last = tunnel._loop.time()
     tunnel.bytes_up = len(initial_to_upstream)
     tunnel.bytes_down = len(initial_to_client)
+    tunnel._early = None
     client.set_protocol(c)
     c.connection_made(client)
+    c.eof = client_eof
     tunnel._opened = True
     tunnel._begin(initial_to_upstream, initial_to_client)
     return tunnel

@@ -20,7 +20,13 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from egressbox.audit import AuditSink, JsonlFileSink, StreamSink
+from egressbox.audit import (
+    DEFAULT_WRITERS,
+    AuditSink,
+    JsonlFileSink,
+    StreamSink,
+    end_torn_tail,
+)
 from egressbox.errors import AuditError, PolicyError, print_policy_error
 from egressbox.exitcodes import EXIT_OK, EXIT_START, EXIT_USAGE
 from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
@@ -142,7 +148,11 @@ def open_audit(options: ServeOptions) -> AuditSink | None:
         if options.audit_max_bytes is not None:
             raise ValueError("--audit-max-bytes needs a file, not stdout")
         return StreamSink(sys.stdout.fileno())
-    return JsonlFileSink(path, max_bytes=options.audit_max_bytes, keep=options.audit_keep)
+    # Each worker appends with a sink of its own: the reserve ahead is sized for all of them.
+    writers = max(DEFAULT_WRITERS, options.workers)
+    return JsonlFileSink(
+        path, max_bytes=options.audit_max_bytes, keep=options.audit_keep, writers=writers
+    )
 
 
 async def _started_proxy(
@@ -234,18 +244,6 @@ def serve_workers(options: ServeOptions, policy: Policy, servers: list[tuple[str
         )
 
     return run_workers(count, groups, worker_main)
-
-
-def end_torn_tail(path: str) -> None:
-    """Append a newline to a log whose last record a crash cut short."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                os.write(fd, b"\n")
-        finally:
-            os.close(fd)
 
 
 def _worker(

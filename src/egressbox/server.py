@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import ipaddress
 import socket
@@ -51,10 +52,15 @@ from egressbox.relay import (
 
 # Imported at run time: compiled dataclasses resolve their field types.
 from egressbox.resolve import Resolution, Resolver
+from egressbox.sni import FirstBytes, checks_names
 
 Log = Callable[[str], None]
 RecordCallback = Callable[[AuditRecord], None]
 Credentials = Callable[[str, str], bool]
+
+# After an audit failure, how often the file sink is asked whether it can be
+# written again (space freed): then admission resumes.
+AUDIT_RETRY_SECONDS = 1.0
 
 # Listen backlog: large enough for a burst of short tunnels from a parallel
 # build (Linux caps it at net.core.somaxconn, 4096 by default).
@@ -98,6 +104,8 @@ class ProxyState:
     socks_credentials: Credentials | None
     self_endpoints: SelfEndpoints = field(default_factory=SelfEndpoints)
     audit_error: str | None = None
+    # When a failed audit log may next be asked whether it recovered (monotonic).
+    audit_retry_at: float = 0.0
     connections: set[Connection] = field(default_factory=set)
     # Open tunnels, each with its done callback, which knows its target.
     tunnels: dict[Tunnel, _TunnelEnd] = field(default_factory=dict)
@@ -183,6 +191,23 @@ class ProxyState:
         )
         self.emit(record)
 
+    def audit_recovered(self) -> bool:
+        """After an audit failure: True once the log can be written again (admission
+        resumes). A file sink is asked (can_write) at most every AUDIT_RETRY_SECONDS;
+        any other sink never recovers."""
+        audit = self.audit
+        if not isinstance(audit, JsonlFileSink):
+            return False
+        now = time.monotonic()
+        if now < self.audit_retry_at:
+            return False
+        self.audit_retry_at = now + AUDIT_RETRY_SECONDS
+        if not audit.can_write():
+            return False
+        self.audit_error = None
+        stderr_log("audit log can be written again; admitting new connections")
+        return True
+
     def _audit_failed(self, exc: AuditError) -> None:
         if self.audit_error is None:
             self.audit_error = str(exc)
@@ -210,7 +235,8 @@ class Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
         self.dialing: Dialing | None = None
-        self.dialed: Decision | None = None  # what `dialing` was admitted by
+        self.dialed: Decision | None = None  # what `dialing` (or `first`) was admitted by
+        self.first: FirstBytes | None = None  # the TLS name check between reply and relay
         self.over_limit = False
         self.client = ""  # the peer's address, counted in state.per_client until left()
 
@@ -251,9 +277,10 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def target(self) -> OpenTarget | None:
-        """The target of a dial in flight (after it, the tunnel answers for it)."""
+        """The target of a dial in flight or of a tunnel waiting for its first bytes
+        (after that, the tunnel answers for it)."""
         decision = self.dialed
-        if self.dialing is None or decision is None:
+        if (self.dialing is None and self.first is None) or decision is None:
             return None
         return OpenTarget(self.protocol_name, decision.host, decision.port, decision.addresses)
 
@@ -286,6 +313,10 @@ class Connection(asyncio.Protocol):
     def _internal_error(self, exc: Exception) -> None:
         self.state.internal_error(str(self.protocol_name), exc)
         self.abort()
+
+    def failed(self, exc: Exception) -> None:
+        """A bug caught in a callback of this connection's FirstBytes."""
+        self._internal_error(exc)
 
     # -- the tunnel path: no Task unless the decision needs DNS -------------------
 
@@ -359,13 +390,53 @@ class Connection(asyncio.Protocol):
             # The client left (say, a reset) while the dial was in flight.
             upstream.abort()
             return
+        policy = state.policy
+        if policy is not None and checks_names(policy):
+            # The reply goes out now; the relay starts once the client's first bytes
+            # pass the TLS name check (sni.py), before any of them goes upstream.
+            self.dialed = decision
+            self.first = FirstBytes(
+                self,
+                tunnel,
+                decision,
+                transport,
+                upstream,
+                policy=policy,
+                timeout=state.limits.head_timeout,
+                loop=state.event_loop(),
+                protocol=str(self.protocol_name),
+                log=state.diagnostic if state.log is not None else None,
+            )
+            self.first.start(self.established(upstream), to_upstream)
+            return
+        self.start_relay(
+            tunnel, decision, upstream, to_upstream, to_client=self.established(upstream)
+        )
+
+    def start_relay(
+        self,
+        tunnel: Tunnel,
+        decision: Decision,
+        upstream: asyncio.Transport,
+        to_upstream: bytes,
+        *,
+        to_client: bytes = b"",
+        client_eof: bool = False,
+    ) -> None:
+        """Hand the client's transport and the upstream to the relay."""
+        self.first = self.dialed = None
+        transport, state = self.transport, self.state
+        if transport is None or transport.is_closing():
+            upstream.abort()
+            return
         try:
             open_tunnel_with_upstream(
                 tunnel,
                 transport,
                 upstream,
                 initial_to_upstream=to_upstream,
-                initial_to_client=self.established(upstream),
+                initial_to_client=to_client,
+                client_eof=client_eof,
             )
         except ValueError:  # the upstream is already aborted
             transport.abort()
@@ -396,26 +467,10 @@ class Connection(asyncio.Protocol):
     def decide_now(self, host: str, port: int | str) -> Decision | Pending:
         """The audited decision if it needs no DNS query, else a Pending to finish
         (then audit it with decide()'s rules: see _audited)."""
-        state = self.state
-        if state.audit_error is not None:
-            return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error)
-        if self.over_limit:
-            decision = _refusal(host, port, Reason.TOO_MANY_CONNECTIONS, "too many connections")
-        else:
-            decided = check_now(
-                state.policy, state.resolver, host, port, self_endpoints=state.self_endpoints
-            )
-            if isinstance(decided, Pending):
-                return decided
-            decision = decided
-        return self._audited(decision, host, port)
+        return gate_now(self.state, self.protocol_name, host, port, over_limit=self.over_limit)
 
     def _audited(self, decision: Decision, host: str, port: int | str) -> Decision:
-        try:
-            self.record(decision)
-        except AuditError:
-            return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, self.state.audit_error or "")
-        return decision
+        return gate_audited(self.state, self.protocol_name, decision, host, port)
 
     def bad_port_decision(self) -> Decision:
         """A target port outside 1-65535 is a decision (bad_port), audited like any other."""
@@ -526,6 +581,55 @@ class _TunnelEnd:
             f" {self.reason.value} up={stats.bytes_up} down={stats.bytes_down} "
             f"{stats.duration:.3f}s closed_by={stats.closed_by.value}"
         )
+
+
+# -- the gate: every request of every listener is decided and audited here -------------
+
+
+def gate_now(
+    state: ProxyState,
+    protocol: AuditProtocol,
+    host: str,
+    port: int | str,
+    *,
+    over_limit: bool = False,
+    record_port: int | None = None,
+) -> Decision | Pending:
+    """The audited decision for `host:port` if it needs no DNS query, else a Pending to
+    finish and pass to gate_audited(). The proxy's own state (an audit log that cannot be
+    written, too many connections) refuses like any other decision. `record_port` replaces
+    the port in the audit record (a DNS question has none: 0)."""
+    if state.audit_error is not None and not state.audit_recovered():
+        return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error)
+    if over_limit:
+        decision = _refusal(host, port, Reason.TOO_MANY_CONNECTIONS, "too many connections")
+    else:
+        decided = check_now(
+            state.policy, state.resolver, host, port, self_endpoints=state.self_endpoints
+        )
+        if isinstance(decided, Pending):
+            return decided
+        decision = decided
+    return gate_audited(state, protocol, decision, host, port, record_port=record_port)
+
+
+def gate_audited(
+    state: ProxyState,
+    protocol: AuditProtocol,
+    decision: Decision,
+    host: str,
+    port: int | str,
+    *,
+    record_port: int | None = None,
+) -> Decision:
+    """Write the decision's record before anything answers; when it cannot be written,
+    nothing is admitted (audit_unavailable)."""
+    recorded = decision if record_port is None else dataclasses.replace(decision, port=record_port)
+    try:
+        state.emit_decision(protocol, recorded)
+    except AuditError:
+        return _refusal(host, port, Reason.AUDIT_UNAVAILABLE, state.audit_error or "")
+    return decision
 
 
 def _refusal(host: str, port: int | str, reason: Reason, detail: str) -> Decision:

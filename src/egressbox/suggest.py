@@ -9,10 +9,11 @@ carries its exact port. Names stay exact unless MIN_SIBLINGS or more distinct na
 share a parent domain on one port (see ``_wildcards``). IP literals stay single addresses.
 
 What is never admitted silently: a destination refused for ``private_address``,
-``special_address``, ``deny_cidr`` or ``self_connection``, and an IP literal in a private
-or special range. They appear commented out, under a ``# WARNING:`` line saying why and
-what to add if the destination is intended. Everything else that was refused (DNS
-failures, deny rules, bad hosts) is listed in a closing comment.
+``special_address``, ``metadata_address``, ``deny_cidr`` or ``self_connection``, and an IP
+literal in a private or special range or naming a cloud metadata endpoint. They appear
+commented out, under a ``# WARNING:`` line saying why and what to add if the destination
+is intended. Everything else that was refused (DNS failures, deny rules, bad hosts) is
+listed in a closing comment.
 
 Pure: no file or network access; the output is checked by ``load_policy`` in the tests.
 """
@@ -27,7 +28,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from egressbox.addresses import PRIVATE_LIKE, embedded_ipv4, is_routable, lookup, reason_for
+from egressbox.addresses import (
+    PRIVATE_LIKE,
+    embedded_ipv4,
+    is_metadata,
+    is_routable,
+    lookup,
+    reason_for,
+)
 from egressbox.audit import SummaryRow, format_ts
 from egressbox.errors import Reason
 from egressbox.hosts import format_authority
@@ -84,6 +92,11 @@ _WARNINGS: Mapping[Reason, str] = {
         "it is or resolved to a special-purpose address (reserved, documentation, "
         "multicast, CGNAT ...). If intended, uncomment it and add an egress.allow_cidrs "
         "entry covering that address."
+    ),
+    Reason.METADATA_ADDRESS: (
+        "it is or resolved to a cloud metadata endpoint, which hands out this instance's "
+        "credentials. If intended, uncomment it as the exact IP literal the client asks for "
+        "and drop any egress.deny_cidrs entry covering it; nothing broader admits it."
     ),
     Reason.DENY_CIDR: (
         "its address is in egress.deny_cidrs (by default the cloud metadata service), "
@@ -237,11 +250,14 @@ def _address_concern(rule: Rule, base: Policy | None) -> Reason | None:
     """For an IP literal in a private or special range: the reason it needs a grant.
 
     None when it is routable, or when the base policy (carried over into the output)
-    grants it through allow_cidrs or allow_private.
+    grants it through allow_cidrs or allow_private. A cloud metadata endpoint is always a
+    concern: the suggested entry itself would be the one grant that admits it.
     """
     if rule.kind is not RuleKind.IP:
         return None
     ip = ipaddress.ip_address(rule.value)
+    if is_metadata(ip):  # itself or the IPv4 address it carries, as the decision sees it
+        return Reason.METADATA_ADDRESS
     for addr in (ip, *(v4 for _, v4 in embedded_ipv4(ip))):
         category = lookup(addr).category
         if is_routable(category):

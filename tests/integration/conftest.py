@@ -146,7 +146,9 @@ def ipv6_available() -> bool:
 
 # The proxy runs on uvloop under `egressbox serve` and on asyncio's loop as a
 # library: the tests in these files run on both (other files: asyncio only).
-BOTH_LOOPS_IN = frozenset({"test_proxy_clients.py", "test_proxy_decisions.py"})
+BOTH_LOOPS_IN = frozenset(
+    {"test_proxy_clients.py", "test_proxy_decisions.py", "test_tls_name_check.py"}
+)
 
 
 def loop_factories() -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:

@@ -478,6 +478,45 @@ async def test_private_answer_is_denied_before_dialing(
     assert dials.calls == []  # ...and never dialed
 
 
+# -- cloud metadata endpoints ------------------------------------------------------------
+
+# Every broad grant that could reach the endpoints: CIDR allow entries, allow_cidrs and
+# allow_private. None of them lifts the metadata class (only an exact IP entry would).
+METADATA_POLICY: dict[str, Any] = {
+    "egress": {
+        "allow": ["169.254.0.0/16:80", "100.64.0.0/10", "imds.ok.test"],
+        "allow_cidrs": ["169.254.0.0/16", "100.64.0.0/10"],
+        "allow_private": True,
+    }
+}
+
+
+@pytest.mark.parametrize("mode", ["enforce", "report"])
+async def test_metadata_endpoints_are_refused_before_dialing(
+    start_proxy: StartProxy, zone: DnsServer, dials: DialGuard, wire: Wire, mode: str
+) -> None:
+    zone.set("imds.ok.test", A("169.254.169.254"))
+    proxy = await start_proxy({"egress": {**METADATA_POLICY["egress"], "mode": mode}})
+    raw = b"CONNECT 169.254.169.254:80 HTTP/1.1\r\nHost: 169.254.169.254:80\r\n\r\n"
+    reply = await wire.exchange(proxy.http_address, raw)
+    assert reply.status == 403
+    assert reply.header("X-Egressbox-Reason") == "metadata_address"
+    assert b"metadata_address" in reply.body and reply.closed
+    expected = [("connect", "169.254.169.254", 80, "deny", "metadata_address")]
+    assert wire.summary(proxy.records) == expected
+    code, closed = await wire.socks_exchange(proxy.socks_address, "100.100.100.200", 80)
+    assert (code, closed) == (0x02, True)
+    expected.append(("socks5", "100.100.100.200", 80, "deny", "metadata_address"))
+    assert wire.summary(proxy.records) == expected
+    # A name that resolves to an endpoint: resolved, refused, never dialed.
+    code, closed = await wire.socks_exchange(proxy.socks_address, "imds.ok.test", 80)
+    assert (code, closed) == (0x02, True)
+    expected.append(("socks5", "imds.ok.test", 80, "deny", "metadata_address"))
+    assert wire.summary(proxy.records) == expected
+    assert zone.queries_for("imds.ok.test")
+    assert dials.calls == []
+
+
 # -- report mode ----------------------------------------------------------------------------
 
 REPORT_POLICY = {

@@ -1,0 +1,307 @@
+"""The TLS name check on a tunnel's first client bytes (DESIGN §3, "TLS name check").
+
+A CONNECT or SOCKS5 tunnel to an allowed name could otherwise carry a TLS
+ClientHello for any host served at the same addresses (domain fronting under
+an allowed CDN). So, when `[egress] tls_name_check = "enforce"` (the default):
+
+1. The upstream is dialled to the checked addresses and the tunnel's reply
+   (200, or the SOCKS5 success) goes out as before; then `FirstBytes` holds
+   the client's transport, with no Task, until the client's first bytes say
+   what they are. Nothing goes upstream meanwhile. (`protocols/tls.py` says
+   what counts as a ClientHello and which ones are refused as unreadable.)
+2. A first byte that cannot start a TLS record (anything but 0x14-0x18) is
+   the whole cost of the check for other protocols: the relay starts at once,
+   those bytes first. So it does when the upstream speaks, ends or fails
+   before the client has sent a byte (a server-first protocol such as SSH or
+   SMTP: TLS clients always speak first).
+3. Otherwise `protocols.tls.ClientHelloReader` reads the ClientHello (bounded;
+   the TLS session is never terminated) and `name_check` judges its SNI,
+   normalized exactly like a request host: it must be the target itself, or,
+   for an IP-literal target, a name the policy's name rules admit. No SNI
+   passes (the server picks its default name); an outer ClientHello with ECH
+   must carry the target as its public name, like any other. A ClientHello
+   that cannot be read is refused too: the name a server would see is unknown.
+4. A refusal is one audit record (`sni_mismatch`, decision `deny`; in report
+   mode `would_deny`, and the tunnel goes on), written before a TLS alert
+   (unrecognized_name; decode_error for a ClientHello that cannot be read) and
+   the close; the upstream is closed without having been sent a byte. A match
+   starts the relay with the bytes read so far, unchanged.
+
+The client must send its first bytes within `[limits] head_timeout`, like a
+request head. Later ClientHellos on the same tunnel (after a non-TLS start,
+a STARTTLS upgrade, or a TLS 1.3 HelloRetryRequest) are not read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Protocol
+
+from egressbox.decide import Decision, NamePass, Target, decide_name, parse_target
+from egressbox.errors import AuditError, HostError, Reason, Verdict
+from egressbox.hosts import format_authority
+from egressbox.policy import Mode, Policy, TlsNameCheck
+from egressbox.protocols.tls import (
+    ClientHello,
+    ClientHelloReader,
+    Malformed,
+    NeedMore,
+    NotTls,
+    may_be_tls,
+)
+from egressbox.relay import Tunnel
+
+# A fatal TLS alert sent before the close, so that the client's TLS stack says
+# why instead of "unexpected EOF": unrecognized_name (RFC 8446 §6.2: 112) for
+# another name, decode_error (50) for a ClientHello we cannot read. Record
+# version 0x0303, as TLS 1.3 servers send it before their ServerHello.
+UNRECOGNIZED_NAME_ALERT = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 112])
+DECODE_ERROR_ALERT = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 50])
+
+
+def checks_names(policy: Policy) -> bool:
+    """Whether tunnels admitted under `policy` get the TLS name check."""
+    return policy.tls_name_check is TlsNameCheck.ENFORCE
+
+
+def name_check(
+    policy: Policy, admitted: Decision, hello: ClientHello | Malformed
+) -> Decision | None:
+    """The sni_mismatch decision for the ClientHello of a tunnel that `admitted`
+    opened, or None when the ClientHello may go to the upstream."""
+    why = _mismatch(policy, admitted, hello)
+    if why is None:
+        return None
+    verdict = Verdict.WOULD_DENY if policy.mode is Mode.REPORT else Verdict.DENY
+    return Decision(
+        verdict, Reason.SNI_MISMATCH, admitted.host, admitted.port, admitted.addresses, None, why
+    )
+
+
+def _mismatch(policy: Policy, admitted: Decision, hello: ClientHello | Malformed) -> str | None:
+    if isinstance(hello, Malformed):
+        return f"not a readable TLS ClientHello: {hello.error}"
+    if hello.server_name is None:
+        return "an ECH ClientHello without a public server name" if hello.ech else None
+    try:
+        sni = parse_target(hello.server_name, admitted.port)
+        target = parse_target(admitted.host, admitted.port)
+    except HostError:
+        return "the ClientHello's server name is not a valid host name"
+    return _other_name(policy, sni, target, hello.ech)
+
+
+def _other_name(policy: Policy, sni: Target, target: Target, ech_offered: bool) -> str | None:
+    if sni.host.text == target.host.text:
+        return None
+    ech = " (outer ClientHello of ECH)" if ech_offered else ""
+    if target.host.is_ip and not sni.host.is_ip:
+        named = decide_name(policy, sni)
+        if isinstance(named, NamePass) and named.would_deny is None:
+            return None
+        why = named.detail if isinstance(named, Decision) else "no allow entry admits it"
+        return f"the ClientHello names {sni.host.text}{ech}, not this IP address: {why}"
+    return f"the ClientHello names {sni.host.text}{ech}, not {target.host.text}"
+
+
+class Owner(Protocol):
+    """What FirstBytes needs of the connection that opened the tunnel (server.Connection)."""
+
+    def record(self, decision: Decision) -> None: ...
+
+    def left(self) -> None: ...
+
+    def start_relay(
+        self,
+        tunnel: Tunnel,
+        decision: Decision,
+        upstream: asyncio.Transport,
+        to_upstream: bytes,
+        *,
+        to_client: bytes = b"",
+        client_eof: bool = False,
+    ) -> None: ...
+
+    def failed(self, exc: Exception) -> None: ...
+
+
+class FirstBytes(asyncio.Protocol):
+    """A tunnel's client transport from its reply until its first bytes are judged."""
+
+    __slots__ = (
+        "chunks",
+        "client",
+        "decision",
+        "done",
+        "log",
+        "owner",
+        "policy",
+        "protocol",
+        "reader",
+        "timer",
+        "tunnel",
+        "upstream",
+    )
+
+    def __init__(
+        self,
+        owner: Owner,
+        tunnel: Tunnel,
+        decision: Decision,
+        client: asyncio.Transport,
+        upstream: asyncio.Transport,
+        *,
+        policy: Policy,
+        timeout: float,
+        loop: asyncio.AbstractEventLoop,
+        protocol: str,
+        log: Callable[[str], None] | None,
+    ) -> None:
+        """`log` takes the diagnostic lines (None: none wanted); `protocol` starts them."""
+        self.owner = owner
+        self.protocol = protocol
+        self.log = log
+        self.tunnel = tunnel
+        self.decision = decision
+        self.client = client
+        self.upstream = upstream
+        self.policy = policy
+        self.chunks: list[bytes] = []  # every byte read, to forward unchanged
+        self.reader: ClientHelloReader | None = None  # made at the first TLS-like byte
+        self.done = False
+        self.timer: asyncio.TimerHandle | None = loop.call_later(timeout, self._timed_out)
+
+    def start(self, reply: bytes, first: bytes) -> None:
+        """Take the client transport, answer, and judge `first` (bytes the client sent
+        with its request) or wait for the first bytes."""
+        self.client.set_protocol(self)
+        self.client.write(reply)
+        if first:
+            self.data_received(first)
+        if not self.done:  # the relay holds what the upstream sends, and tells us
+            self.tunnel.on_upstream_first(self._upstream_first)
+        if not self.done:
+            self.upstream.resume_reading()
+            self.client.resume_reading()
+
+    # -- the client's transport ------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self.done:
+            return
+        try:
+            self._judge(data)
+        except Exception as exc:  # a bug must not kill the server
+            self._failed(exc)
+
+    def eof_received(self) -> bool:
+        if self.done:
+            return False
+        if not self.chunks:  # EOF before any byte: nothing to judge, pass it on
+            self._pass(client_eof=True)
+            return True
+        self._close("the client ended inside its TLS ClientHello")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done:
+            self._stop()
+            self.upstream.abort()
+        self.owner.left()
+
+    # -- the steps -------------------------------------------------------------------
+
+    def _judge(self, data: bytes) -> None:
+        self.chunks.append(data)
+        reader = self.reader
+        if reader is None:
+            if not may_be_tls(data[0]):
+                self._pass()  # the fast path: not TLS
+                return
+            reader = self.reader = ClientHelloReader()
+        result = reader.feed(data)
+        if isinstance(result, NeedMore):
+            return
+        if isinstance(result, NotTls):
+            self._pass()
+            return
+        refusal = name_check(self.policy, self.decision, result)
+        if refusal is None:
+            self._pass()
+            return
+        try:
+            self.owner.record(refusal)
+        except AuditError:  # nothing goes through without its record
+            self._refuse(refusal)
+            return
+        if refusal.allowed:  # report mode: audited as would_deny, let through
+            self._note(refusal)
+            self._pass()
+        else:
+            self._refuse(refusal, isinstance(result, Malformed))
+
+    def _upstream_first(self) -> None:
+        if self.done or self.chunks:
+            return  # a partial ClientHello is still judged when it is complete
+        try:
+            self._pass()  # the server spoke first: not TLS from the client's side
+        except Exception as exc:  # a bug must not kill the server
+            self._failed(exc)
+
+    def _pass(self, *, client_eof: bool = False) -> None:
+        self._stop()
+        chunks, self.chunks = self.chunks, []
+        first = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if not client_eof:
+            self.client.pause_reading()
+        self.owner.start_relay(
+            self.tunnel, self.decision, self.upstream, first, client_eof=client_eof
+        )
+
+    def _refuse(self, refusal: Decision, unreadable: bool = False) -> None:
+        self._stop()
+        self._note(refusal)
+        self.upstream.abort()
+        self.chunks = []
+        alert = DECODE_ERROR_ALERT if unreadable else UNRECOGNIZED_NAME_ALERT
+        with contextlib.suppress(OSError, RuntimeError):  # the client may be gone already
+            self.client.write(alert)
+        self.client.close()
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if not self.done:
+            self._close("no first bytes (TLS ClientHello or other) within the head timeout")
+
+    def _close(self, why: str) -> None:
+        """End both sides without a decision (no record: like a request head never sent)."""
+        self._stop()
+        if self.log is not None:
+            self.log(f"{self._where()}: closed: {why}")
+        self.upstream.abort()
+        self.chunks = []
+        self.client.close()
+
+    def _failed(self, exc: Exception) -> None:
+        self._stop()
+        self.upstream.abort()
+        self.owner.failed(exc)
+
+    def _note(self, decision: Decision) -> None:
+        if self.log is not None:
+            self.log(
+                f"{self._where()} {decision.verdict.value} {decision.reason.value}"
+                f" ({decision.detail})"
+            )
+
+    def _where(self) -> str:
+        return f"{self.protocol} {format_authority(self.decision.host, self.decision.port)}"
+
+    def _stop(self) -> None:
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.tunnel.on_upstream_first(None)
