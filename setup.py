@@ -28,9 +28,11 @@ COMPILED = [
     "src/egressbox/egress.py",
     "src/egressbox/dial.py",
     "src/egressbox/relay.py",
-    "src/egressbox/server.py",
-    "src/egressbox/connections.py",
-    "src/egressbox/forward.py",
+    "src/egressbox/proxy/gate.py",
+    "src/egressbox/proxy/tunnel.py",
+    "src/egressbox/proxy/listeners.py",
+    "src/egressbox/proxy/forward.py",
+    "src/egressbox/proxy/server.py",
 ]
 
 

@@ -64,7 +64,7 @@ from egressbox.audit import (
 )
 from egressbox.errors import Reason, Verdict
 from egressbox.policy import parse_policy
-from egressbox.server import EgressProxy
+from egressbox.proxy.server import EgressProxy
 
 HOST = "127.0.0.1"
 IO_TIMEOUT = 10.0  # seconds per client step; a stuck proxy fails the run instead of hanging

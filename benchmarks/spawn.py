@@ -17,7 +17,7 @@
      import_cli     import egressbox.cli (what the console script does first)
      cli_setup      parse the arguments, load the policy (run's _cli_options; it
                     imports egressbox.resolve, so dnspython, for --nameserver)
-     pre_fork_imp   imports run makes before the fork (egressbox.server for its log)
+     pre_fork_imp   imports run makes before the fork (egressbox.proxy.server for its log)
      host_probe     run.host_facts(): probing namespaces, Landlock, seccomp
      prepare        run.prepare(): resolve CMD, plan the filesystem, environment
      fork_listen    run.spawn(): fork the launcher until its listeners arrive
@@ -89,7 +89,7 @@ def probe(profile: str) -> dict[str, float]:
     options = _cli_options(args, command[1:] if command[:1] == ["--"] else command)
     assert options is not None
     mark("cli_setup")
-    from egressbox.server import EgressProxy  # run's _run_reporting_errors imports it first
+    from egressbox.proxy.server import EgressProxy  # run's _run_reporting_errors imports it first
 
     mark("pre_fork_imp")
     facts = host_facts()
@@ -355,9 +355,9 @@ PARENT_IMPORTS = (
     "egressbox.cli",
     "egressbox.runner.api",
     "egressbox.resolve",
-    "egressbox.server",
+    "egressbox.proxy.server",
     "egressbox.serve",
-    "egressbox.connections",
+    "egressbox.proxy.listeners",
 )
 SLOWEST_SHOWN = 12
 

@@ -72,7 +72,7 @@ _EXPORTS = {
     "load_policy": "egressbox.policy",
     "parse_policy": "egressbox.policy",
     "DnsResolver": "egressbox.resolve",
-    "EgressProxy": "egressbox.server",
+    "EgressProxy": "egressbox.proxy.server",
     "run": "egressbox.runner.api",
     "run_sync": "egressbox.runner.api",
     "spawn_confined": "egressbox.runner.api",
@@ -115,10 +115,10 @@ if TYPE_CHECKING:
     from egressbox.egress import check
     from egressbox.errors import EgressboxError, PolicyError, Reason, Verdict
     from egressbox.policy import Mode, Policy, load_policy, parse_policy
+    from egressbox.proxy.server import EgressProxy
     from egressbox.resolve import DnsResolver, Resolver
     from egressbox.runner.api import ConfinedProcess, run, run_sync, spawn_confined
     from egressbox.runner.options import RunResult
-    from egressbox.server import EgressProxy
 
 
 def __getattr__(name: str) -> Any:

@@ -30,8 +30,9 @@ from egressbox.audit import (
 from egressbox.errors import AuditError, PolicyError, print_policy_error
 from egressbox.exitcodes import EXIT_OK, EXIT_START, EXIT_USAGE
 from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
+from egressbox.proxy.gate import stderr_log
+from egressbox.proxy.server import EgressProxy
 from egressbox.resolve import parse_nameserver, resolver_for
-from egressbox.server import EgressProxy, stderr_log
 from egressbox.suggest import with_mode
 
 # Largest TCP port number.

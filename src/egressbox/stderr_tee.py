@@ -210,8 +210,8 @@ class StderrTee:
             return False
         if not data:
             return False
-        self._sink_ok = self._sink_ok and _write_all(self.target_fd, data)
         self._tail.add(data)
+        self._sink_ok = self._sink_ok and _write_all(self.target_fd, data)
         return True
 
 
@@ -459,8 +459,9 @@ class TerminalRelay:
             return False
         if not data:
             return False
-        self._sink_ok = self._sink_ok and _write_all(self.out_fd, data)
+        # The tail first: whoever reads our copy may look at the tail right after.
         self._tail.add(data)
+        self._sink_ok = self._sink_ok and _write_all(self.out_fd, data)
         return True
 
     def _take_input(self, events: int) -> bool:

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 
 from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
 from egressbox.policy import Policy
-from egressbox.server import LISTEN_BACKLOG, stderr_log
+from egressbox.proxy.gate import stderr_log
+from egressbox.proxy.server import LISTEN_BACKLOG
 
 # More processes than this is a typo, not a deployment.
 MAX_WORKERS = 256

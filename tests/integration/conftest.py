@@ -45,8 +45,8 @@ from egressbox.dial import (
 )
 from egressbox.hosts import IPAddress
 from egressbox.policy import Policy, parse_policy
+from egressbox.proxy.server import EgressProxy
 from egressbox.resolve import DnsResolver
-from egressbox.server import EgressProxy
 from integration.unprivileged import (
     Actor,
     UnavailableError,
@@ -567,8 +567,8 @@ def dials(monkeypatch: pytest.MonkeyPatch) -> Iterator[DialGuard]:
             addresses, port, protocol, on_done, timeout=timeout, stagger=stagger, loop=loop
         )
 
-    monkeypatch.setattr("egressbox.server.start_connect", guarded_connect)
-    monkeypatch.setattr("egressbox.forward.start_connect", guarded_connect)
+    monkeypatch.setattr("egressbox.proxy.tunnel.start_connect", guarded_connect)
+    monkeypatch.setattr("egressbox.proxy.forward.start_connect", guarded_connect)
     yield guard
     assert guard.violations == [], "the proxy dialed outside loopback"
 

@@ -29,8 +29,8 @@ from egressbox.audit import AuditProtocol, AuditRecord, JsonlFileSink, rotated_f
 from egressbox.cli import main as cli_main
 from egressbox.errors import Reason, Verdict
 from egressbox.policy import Mode, Policy, load_policy, parse_policy
+from egressbox.proxy.server import EgressProxy
 from egressbox.resolve import DnsResolver
-from egressbox.server import EgressProxy
 
 IO_TIMEOUT = 10.0  # seconds per client step: generous on a loaded machine, still bounded
 MAX_CONCURRENT = 100

@@ -9,7 +9,7 @@ import pytest
 
 from egressbox.errors import Reason
 from egressbox.policy import parse_policy
-from egressbox.server import FD_RESERVE, EgressProxy, fd_capacity
+from egressbox.proxy.server import FD_RESERVE, EgressProxy, fd_capacity
 
 
 def test_fd_capacity() -> None:

@@ -16,7 +16,7 @@ import contextlib
 import os
 import random
 
-from egressbox.server import EgressProxy
+from egressbox.proxy.server import EgressProxy
 from integration.conftest import StreamOrigin, Wire, make_policy
 
 SEED = 20_261_130

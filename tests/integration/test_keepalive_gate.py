@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from egressbox.server import EgressProxy
+from egressbox.proxy.server import EgressProxy
 from integration.conftest import BASE_POLICY, HttpOrigin, StartProxy, StreamOrigin, Wire
 
 pytestmark = pytest.mark.usefixtures("dials")
@@ -196,7 +196,7 @@ async def test_a_forwarded_content_length_is_plain_decimal(proxy: EgressProxy, w
 async def test_a_bug_in_a_callback_closes_that_connection_and_frees_its_slot(
     start_proxy: StartProxy, origin: HttpOrigin, wire: Wire, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from egressbox import forward
+    from egressbox.proxy import forward
 
     def broken(self: object, upstream: object, data: bytes) -> None:
         raise RuntimeError("injected fault")

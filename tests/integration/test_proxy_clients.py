@@ -24,7 +24,7 @@ import pytest
 from python_socks import ProxyError
 from python_socks.async_.asyncio import Proxy
 
-from egressbox.server import EgressProxy
+from egressbox.proxy.server import EgressProxy
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from dnsserver import DnsServer
-    from egressbox.server import EgressProxy
+    from egressbox.proxy.server import EgressProxy
     from integration.conftest import (
         Curl,
         DialGuard,

@@ -29,8 +29,9 @@ from egressbox.audit import AuditRecord
 from egressbox.errors import AuditError, Reason
 from egressbox.hosts import IPAddress
 from egressbox.policy import Policy, parse_policy
+from egressbox.proxy.server import EgressProxy
+from egressbox.proxy.tunnel import Connection
 from egressbox.resolve import Resolution
-from egressbox.server import Connection, EgressProxy
 from integration.conftest import StreamOrigin
 
 pytestmark = [

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 from egressbox.policy import Policy, parse_policy
+from egressbox.proxy.server import EgressProxy
 from egressbox.runner.api import ConfinedProcess, run, spawn_confined
 from egressbox.runner.facts import host_facts
 from egressbox.runner.options import RunResult
-from egressbox.server import EgressProxy
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),

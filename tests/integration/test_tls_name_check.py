@@ -32,7 +32,7 @@ from tls_hellos import ech_hello, handshake_message, real_hello, records
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from egressbox.server import EgressProxy
+    from egressbox.proxy.server import EgressProxy
     from integration.conftest import Origins, StartProxy, TlsFiles, Wire
 
 pytestmark = pytest.mark.usefixtures("dials")

@@ -26,7 +26,7 @@ from aiohttp import web
 from egressbox.audit import AuditRecord
 from egressbox.limits import Limits
 from egressbox.policy import parse_policy
-from egressbox.server import EgressProxy
+from egressbox.proxy.server import EgressProxy
 from fakes import FakeResolver
 
 IO_TIMEOUT = 15.0

@@ -1,7 +1,12 @@
-"""The egress proxy: the gate every request passes, and what serves it.
+"""The egress proxy: one gate every request passes, and what serves it.
 
-    dns    egressbox's DNS inside a child's namespace (names the policy could admit only)
+    gate       the decision and its audit record for every request of every listener;
+               ProxyState, shared by every connection
+    tunnel     a client connection until it is a tunnel (the dial, the TLS name check, the relay)
+    listeners  the HTTP (CONNECT and plain forwarding) and SOCKS5 listeners' protocols
+    forward    plain HTTP forwarding, request by request
+    server     EgressProxy: listeners, limits, drain, reload
+    dns        the DNS a child's namespace asks (names the policy could admit only)
 
-The listeners, tunnels and plain-HTTP forwarding still live in server.py, connections.py,
-forward.py and relay.py at the package's top level.
+Imports run one way: server -> listeners -> forward -> tunnel -> gate (a test fails on a cycle).
 """

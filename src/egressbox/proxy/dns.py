@@ -33,7 +33,7 @@ from egressbox.errors import HostError, Reason
 from egressbox.synthetic import TTL, ExhaustedError, SyntheticNames, address_of_reverse
 
 if TYPE_CHECKING:
-    from egressbox.server import ProxyState
+    from egressbox.proxy.gate import ProxyState
 
 # The port a name is judged for when every entry that could admit it names no port.
 DEFAULT_PORT = 443
@@ -107,7 +107,7 @@ class Answerer:
     async def decide(self, name: str) -> Decision:
         """The gate's decision for a name, judged for the port of an entry that could admit
         it, and audited with protocol dns and port 0 (a question has no port)."""
-        from egressbox.server import gate_audited, gate_now
+        from egressbox.proxy.gate import gate_audited, gate_now
 
         state = self.state
         port = self._port_for(name)
@@ -138,7 +138,7 @@ class Answerer:
         return DEFAULT_PORT if None in ports else next(p for p in ports if p is not None)
 
     def _audit_refusal(self, name: str, reason: Reason, detail: str) -> Decision:
-        from egressbox.server import gate_audited
+        from egressbox.proxy.gate import gate_audited
 
         try:
             target = parse_target(name, DEFAULT_PORT)

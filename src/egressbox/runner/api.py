@@ -30,7 +30,7 @@ from egressbox.runner.supervise import (
 if TYPE_CHECKING:
     from egressbox.audit import AuditSink
     from egressbox.policy import Policy
-    from egressbox.server import EgressProxy
+    from egressbox.proxy.server import EgressProxy
 
 
 def _warn(prepared: Prepared) -> None:

@@ -29,7 +29,7 @@ from egressbox.stderr_tee import (
 if TYPE_CHECKING:
     from egressbox.audit import AuditRecord, AuditSink
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord
-    from egressbox.server import EgressProxy
+    from egressbox.proxy.server import EgressProxy
 
 
 async def supervise(
@@ -60,8 +60,8 @@ def _make_proxy(
     launched: Launched, options: RunOptions, *, audit: AuditSink | None = None, log: Any = None
 ) -> EgressProxy:
     """The proxy for the launcher's listeners (not started: _supervise() starts it)."""
+    from egressbox.proxy.server import EgressProxy
     from egressbox.resolve import DnsResolver
-    from egressbox.server import EgressProxy
 
     http, socks = launched.listeners[0], launched.listeners[1]
     for sock in launched.listeners:

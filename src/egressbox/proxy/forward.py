@@ -45,11 +45,11 @@ from egressbox.decide import Decision
 from egressbox.dial import DialError, Dialing, start_connect
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.protocols import http1
+from egressbox.proxy.gate import OpenTarget
 from egressbox.replies import dial_http_status, http_status
-from egressbox.server import OpenTarget
 
 if TYPE_CHECKING:
-    from egressbox.connections import HttpConnection
+    from egressbox.proxy.tunnel import Connection
 
 # After a refusal, drop what the client still sends for this long (and at
 # most this much), then close: closing with unread data would reset the
@@ -146,7 +146,7 @@ class _Upstream(asyncio.Protocol):
             self.transport.abort()
 
 
-def start_forwarding(conn: HttpConnection, head: http1.RequestHead, trailing: bytes) -> None:
+def start_forwarding(conn: Connection, head: http1.RequestHead, trailing: bytes) -> None:
     """Take over the connection's transport and serve its plain HTTP requests."""
     transport = conn.transport
     assert transport is not None
@@ -161,7 +161,7 @@ def start_forwarding(conn: HttpConnection, head: http1.RequestHead, trailing: by
 class Forwarder(asyncio.Protocol):
     """The client side of one forwarding connection, from its first request to its close."""
 
-    def __init__(self, conn: HttpConnection, transport: asyncio.Transport) -> None:
+    def __init__(self, conn: Connection, transport: asyncio.Transport) -> None:
         self.conn = conn
         self.state = conn.state
         self.limits = conn.state.limits

@@ -19,8 +19,9 @@ from egressbox.dial import DialError
 from egressbox.errors import AuditError, Reason, Verdict
 from egressbox.hosts import INVALID_HOST_TEXT
 from egressbox.protocols import http1, socks5
+from egressbox.proxy.gate import ProxyState
+from egressbox.proxy.tunnel import Connection
 from egressbox.replies import dial_http_status, dial_socks_code, http_status, socks_code
-from egressbox.server import Connection, ProxyState
 
 # After a refusal, read and drop what the client still sends for this long
 # before closing, so that closing with unread data does not reset the
@@ -102,7 +103,7 @@ class HttpConnection(_Lingering):
         if head.kind is http1.RequestKind.CONNECT:
             self.begin(head.host, head.port, self.parser.trailing)
         else:
-            from egressbox.forward import start_forwarding
+            from egressbox.proxy.forward import start_forwarding
 
             self.protocol_name = AuditProtocol.HTTP
             start_forwarding(self, head, self.parser.trailing)

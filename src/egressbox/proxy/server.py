@@ -1,0 +1,385 @@
+"""The egress proxy: listeners, per-connection glue, limits, drain and reload.
+
+No parsing and no matching happens here: the sans-IO parsers in
+`protocols/` turn bytes into requests, `egress.check` decides, `dial`
+connects to the checked addresses only, `relay` pumps bytes. This module
+wires them together, enforces the limits and writes one audit record per
+decision before any reply goes out.
+
+Connections start on a small asyncio Protocol (no Task while a client is
+slow to send its head). Once a tunnel request is complete, the decision is
+made right there when it needs no DNS query (else in one Task), the dial
+reports by callback, and the tunnel then runs on the relay's protocol pair
+with no Task at all. Plain HTTP forwarding runs in one Task per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from egressbox.audit import (
+    AuditRecord,
+    AuditSink,
+)
+from egressbox.decide import SelfEndpoints
+from egressbox.egress import recheck
+from egressbox.hosts import IPAddress, format_authority
+from egressbox.limits import Limits
+from egressbox.netinfo import local_addresses
+from egressbox.policy import Policy
+from egressbox.proxy.gate import Credentials, Held, Log, OpenTarget, ProxyState, RecordCallback
+from egressbox.proxy.tunnel import Connection
+
+# Imported at run time: compiled dataclasses resolve their field types.
+from egressbox.resolve import Resolution, Resolver
+
+# Listen backlog: large enough for a burst of short tunnels from a parallel
+# build (Linux caps it at net.core.somaxconn, 4096 by default).
+LISTEN_BACKLOG = 1024
+
+
+# Descriptors kept free of connections: listeners, the audit log, DNS
+# sockets, the relay's pipe pool (64 pipes = 128 fds) and some slack.
+FD_RESERVE = 256
+
+
+def fd_capacity(nofile: int) -> int:
+    """How many connections fit in `nofile` descriptors: two each (client and
+    upstream), after FD_RESERVE. At least 1, so a tiny limit still serves."""
+    return max(1, (nofile - FD_RESERVE) // 2)
+
+
+def _soft_nofile() -> int:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+@dataclass(frozen=True)
+class Listener:
+    kind: str  # "http" | "socks5"
+    address: tuple[str, int]
+
+    @property
+    def authority(self) -> str:
+        return format_authority(self.address[0], self.address[1])
+
+
+class EgressProxy:
+    """An egress proxy with HTTP (CONNECT and plain forwarding) and SOCKS5 listeners.
+
+        async with EgressProxy(policy, keep_records=True) as proxy:
+            ... proxy.http_url, proxy.socks_url, proxy.records ...
+
+    Ports default to 0 (the OS picks a free one); `listen` defaults to
+    127.0.0.1, never a wildcard (that would be an open proxy). Pre-bound
+    listening sockets (from the confinement launcher) can be served instead.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | None,
+        *,
+        listen: str = "127.0.0.1",
+        http_port: int | None = 0,
+        socks_port: int | None = 0,
+        resolver: Resolver | None = None,
+        audit: AuditSink | None = None,
+        on_record: RecordCallback | None = None,
+        keep_records: bool = False,
+        log: Log | None = None,
+        socks_credentials: Credentials | None = None,
+        http_sockets: Sequence[socket.socket] = (),
+        socks_sockets: Sequence[socket.socket] = (),
+        limits: Limits | None = None,
+        log_allowed: bool = True,
+    ) -> None:
+        """`log` gets one line per connection; with `log_allowed` False only refusals (the
+        audit records have everything)."""
+        self.records: list[AuditRecord] = []
+        if keep_records:
+            on_record = _chain(self.records.append, on_record)
+        self._listen = listen
+        self._ports = {"http": http_port, "socks5": socks_port}
+        self._given = {"http": list(http_sockets), "socks5": list(socks_sockets)}
+        self._own_resolver = resolver is None
+        self.state = ProxyState(
+            policy=policy,
+            resolver=resolver or default_resolver(policy),
+            limits=limits or (policy.limits if policy is not None else Limits()),
+            audit=audit,
+            on_record=on_record,
+            log=log,
+            socks_credentials=socks_credentials,
+            log_allowed=log_allowed,
+        )
+        self._servers: list[asyncio.Server] = []
+        self.listeners: list[Listener] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        from egressbox.proxy.listeners import HttpConnection, SocksConnection
+
+        factories = {"http": HttpConnection, "socks5": SocksConnection}
+        try:
+            for kind, factory in factories.items():
+                for sock in self._sockets(kind):
+                    await self._serve(kind, sock, factory)
+        except GeneratorExit:
+            self.abort()  # the coroutine is being finalized: nothing may be awaited
+            raise
+        except BaseException:
+            await self.close(0)
+            raise
+        self.state.self_endpoints = self._self_endpoints()
+        self.state.loop = asyncio.get_running_loop()
+        self.state.fd_capacity = fd_capacity(_soft_nofile())
+
+    def _sockets(self, kind: str) -> list[socket.socket]:
+        given = self._given[kind]
+        if given:
+            return given
+        port = self._ports[kind]
+        if port is None:
+            return []
+        try:
+            return [bind_listener(self._listen, port)]
+        except OSError as exc:
+            # Say which address: "Address already in use" alone does not.
+            where = format_authority(self._listen, port)
+            raise OSError(exc.errno, f"{kind} listener on {where}: {exc.strerror}") from None
+
+    async def _serve(self, kind: str, sock: socket.socket, factory: type[Connection]) -> None:
+        state = self.state
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: factory(state), sock=sock, backlog=LISTEN_BACKLOG)
+        self._servers.append(server)
+        name = sock.getsockname()
+        self.listeners.append(Listener(kind, (_unmapped_text(name[0]), name[1])))
+
+    def _self_endpoints(self) -> SelfEndpoints:
+        pairs: set[tuple[IPAddress, int]] = set()
+        wildcard: set[int] = set()
+        for listener in self.listeners:
+            ip = ipaddress.ip_address(listener.address[0])
+            if ip.is_unspecified:
+                wildcard.add(listener.address[1])
+            pairs.add((ip, listener.address[1]))
+        local = frozenset(local_addresses()) if wildcard else frozenset()
+        return SelfEndpoints(frozenset(pairs), frozenset(wildcard), local)
+
+    async def close(self, drain_timeout: float | None = None) -> None:
+        """Stop accepting, let open connections finish for drain_timeout, abort the rest."""
+        state = self.state
+        state.accepting = False
+        for server in self._servers:
+            server.close()
+        timeout = state.limits.drain_timeout if drain_timeout is None else drain_timeout
+        deadline = time.monotonic() + timeout
+        while (state.connections or state.tunnels) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.abort()
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        await asyncio.sleep(0)  # let aborted transports run connection_lost
+        self._servers.clear()
+
+    def abort(self) -> None:
+        """Stop accepting and abort every connection at once, awaiting nothing.
+
+        For a caller that cannot await (a run torn down while its event loop
+        closes: then each step is best effort); close() is the orderly way.
+        """
+        state = self.state
+        state.accepting = False
+        # A closed loop refuses to schedule the transports' callbacks: go on.
+        for server in self._servers:
+            with contextlib.suppress(RuntimeError):
+                server.close()
+        for conn in list(state.connections):
+            with contextlib.suppress(RuntimeError):
+                conn.abort()
+        for tunnel in list(state.tunnels):
+            with contextlib.suppress(RuntimeError):
+                tunnel.abort()
+
+    async def __aenter__(self) -> EgressProxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- views and controls --------------------------------------------------------
+
+    def set_policy(self, policy: Policy, *, close_denied: bool = False) -> int:
+        """Swap the policy atomically: connections decided from now on use it.
+
+        Its [limits] apply to new connections; its [dns] settings replace the
+        resolver unless the caller supplied one. With `close_denied`, open
+        connections it would not admit are closed too (see close_denied());
+        returns how many were closed.
+        """
+        state = self.state
+        old = state.policy
+        if self._own_resolver and (old is None or old.dns != policy.dns):
+            state.resolver = default_resolver(policy)
+        state.limits = policy.limits
+        state.policy = policy
+        return self.close_denied() if close_denied else 0
+
+    def close_denied(self) -> int:
+        """Abort every open tunnel, forwarding connection and dial in flight that the
+        current policy would not admit now; return how many.
+
+        Each is judged with egress.recheck on the target and addresses it was
+        admitted with: the rules of a new decision, without DNS and without an
+        audit record (its own decision was audited). A decision still waiting
+        for its DNS answer finishes under the policy it started with; a later
+        close_denied() sees what it opened.
+        """
+        state = self.state
+        closed = 0
+        held: list[Held] = [*state.connections, *state.forwarders]
+        for tunnel, end in list(state.tunnels.items()):
+            if not self._admits(end.target()):
+                tunnel.abort()
+                closed += 1
+        for item in held:
+            target = item.target()
+            if target is not None and not self._admits(target):
+                item.abort()
+                closed += 1
+        return closed
+
+    def _admits(self, target: OpenTarget) -> bool:
+        state = self.state
+        decision = recheck(
+            state.policy,
+            target.host,
+            target.port,
+            target.addresses,
+            self_endpoints=state.self_endpoints,
+        )
+        if not decision.allowed and state.log is not None:
+            state.diagnostic(
+                f"{target.protocol} {format_authority(target.host, target.port)} closed:"
+                f" the policy now denies it ({decision.reason.value})"
+            )
+        return decision.allowed
+
+    @property
+    def policy(self) -> Policy | None:
+        return self.state.policy
+
+    def _first(self, kind: str) -> Listener | None:
+        return next((item for item in self.listeners if item.kind == kind), None)
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        found = self._first("http")
+        return found.address if found else None
+
+    @property
+    def socks_address(self) -> tuple[str, int] | None:
+        found = self._first("socks5")
+        return found.address if found else None
+
+    @property
+    def http_url(self) -> str | None:
+        found = self._first("http")
+        return f"http://{found.authority}" if found else None
+
+    @property
+    def socks_url(self) -> str | None:
+        found = self._first("socks5")
+        return f"socks5h://{found.authority}" if found else None
+
+    def ready_line(self) -> dict[str, str]:
+        line = {"event": "ready"}
+        for kind in ("http", "socks5"):
+            found = self._first(kind)
+            if found is not None:
+                line[kind] = found.authority
+        return line
+
+
+def _chain(first: RecordCallback, second: RecordCallback | None) -> RecordCallback:
+    def both(record: AuditRecord) -> None:
+        first(record)
+        if second is not None:
+            second(record)
+
+    return both
+
+
+def default_resolver(policy: Policy | None) -> Resolver:
+    """The resolver a policy's [dns] table describes, built on first use."""
+    return LazyResolver(policy)
+
+
+class LazyResolver:
+    """Builds the DnsResolver on the first query: importing dnspython costs
+    ~30 ms, which `egressbox run -- CMD` would otherwise pay on every start."""
+
+    def __init__(self, policy: Policy | None) -> None:
+        self._policy = policy
+        self._resolver: Resolver | None = None
+
+    async def resolve(self, host: str) -> Resolution:
+        if self._resolver is None:
+            self._resolver = _dns_resolver(self._policy)
+        return await self._resolver.resolve(host)
+
+    def resolve_now(self, host: str) -> Resolution | None:
+        """A cached (or hosts-file) answer without a query; None before the first query."""
+        if self._resolver is None:
+            return None
+        lookup = getattr(self._resolver, "resolve_now", None)
+        return None if lookup is None else cast("Resolution | None", lookup(host))
+
+
+def _dns_resolver(policy: Policy | None) -> Resolver:
+    from egressbox.resolve import DnsResolver
+
+    if policy is None:
+        return DnsResolver()
+    dns = policy.dns
+    servers = [(str(ip), port) for ip, port in dns.nameservers] or None
+    return DnsResolver(servers, timeout=dns.timeout, cache_size=dns.cache_size, max_ttl=dns.max_ttl)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: the OS picks a free one)."""
+    ip = ipaddress.ip_address(host)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # "::" serves both families only when asked; keep a v6 listener v6.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if ip.is_unspecified else 1)
+        sock.bind((str(ip), port))
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _unmapped_text(host: str) -> str:
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
