@@ -36,6 +36,7 @@ MECHANISM_NAMES = [
     "mount_namespace",
     "pid_namespace",
     "close_range",
+    "capture",
 ]
 
 
@@ -168,6 +169,45 @@ def test_close_range_matches_raw_syscall(support: HostSupport) -> None:
     _agree_or_skip(support.close_range, closed)
 
 
+# What the capture probe proves, done with the tools: a local default route and an nftables
+# nat output chain in a fresh network namespace (a user namespace mapped to root unless root).
+_NFT_CHECK = (
+    "ip route add local 0.0.0.0/0 dev lo && nft add table inet probe && "
+    "nft add chain inet probe out '{ type nat hook output priority -100; }' && "
+    "nft add rule inet probe out meta l4proto tcp redirect to :9"
+)
+
+
+def _nft_tools_work(user: int | None = None) -> bool:
+    tools = [shutil.which(name) for name in ("unshare", "ip", "nft")]
+    if None in tools:
+        pytest.skip("no unshare(1), ip(8) or nft(8) for an independent check")
+    flags = ["--net"]
+    if (user if user is not None else os.geteuid()) != 0:
+        flags = ["--user", "--map-root-user", *flags]
+    extra: dict[str, Any] = {}
+    if user is not None:
+        extra = {"user": user, "group": user, "extra_groups": []}
+    argv = [str(tools[0]), *flags, "sh", "-c", _NFT_CHECK]
+    result = subprocess.run(argv, capture_output=True, timeout=10, check=False, **extra)
+    return result.returncode == 0
+
+
+def test_capture_matches_the_nft_tool(support: HostSupport) -> None:
+    _agree_or_skip(support.capture, _nft_tools_work())
+    assert "libnftables.so.1 loads" in support.capture.detail
+
+
+def test_missing_libnftables_is_absent_on_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    from egressbox.confine import capture
+
+    monkeypatch.setattr(capture, "LIBRARY", "libegressbox-no-such-nftables.so.1")
+    monkeypatch.setattr(capture, "_LOADED", [])
+    found = probe_host().capture
+    assert found.status is Availability.ABSENT_ON_HOST, found
+    assert "install libnftables1" in found.detail
+
+
 def test_probe_as_unprivileged_user() -> None:
     if os.geteuid() != 0:
         pytest.skip("already unprivileged: the other tests cover this user")
@@ -187,6 +227,8 @@ def test_probe_as_unprivileged_user() -> None:
         assert (mechanisms[name]["status"] == "available") == expected, mechanisms[name]
     if mechanisms["network_namespace"]["status"] == "available":
         assert "CLONE_NEWUSER|CLONE_NEWNET" in mechanisms["network_namespace"]["detail"]
+    expected = _nft_tools_work(user=NOBODY)
+    assert (mechanisms["capture"]["status"] == "available") == expected, mechanisms["capture"]
     assert mechanisms["landlock"]["abi"] == landlock.abi_version()
 
 
@@ -214,6 +256,9 @@ def test_refused_unshare_is_cannot_attach_with_a_hint() -> None:
     for name in ("user_namespace", "network_namespace", "mount_namespace", "pid_namespace"):
         assert mechanisms[name]["status"] == "cannot_attach", mechanisms[name]
         assert "failed: EPERM; " in mechanisms[name]["detail"]
+    assert mechanisms["capture"]["status"] == "cannot_attach", mechanisms["capture"]
+    assert "unshare(" in mechanisms["capture"]["detail"], mechanisms["capture"]
+    assert "failed: EPERM" in mechanisms["capture"]["detail"], mechanisms["capture"]
     assert "unshare(CLONE_NEWUSER) failed: EPERM" in mechanisms["user_namespace"]["detail"]
 
 

@@ -1009,12 +1009,14 @@ def _answer(groups: Sequence[RuleGroup], syscall: str, args: Sequence[int]) -> i
     return answers.pop() if answers else None
 
 
-def _expected_socket(args: Sequence[int], unix: bool) -> int | None:
+def _expected_socket(args: Sequence[int], unix: bool, udp: bool = False) -> int | None:
     family, kind, protocol = (arg & _U64 for arg in args[:3])
     if family not in ({1, 2, 10} if unix else {2, 10}):
         return errno.EAFNOSUPPORT
     if family == 1:
         return None
+    if kind & 0xF == 2 and udp:
+        return None if protocol in (0, 17) else errno.EPROTONOSUPPORT
     if kind & 0xF != 1:
         return errno.EPERM
     return None if protocol in (0, 6) else errno.EPROTONOSUPPORT
@@ -1029,11 +1031,11 @@ _args = st.one_of(
 )
 
 
-@given(st.lists(_args, min_size=6, max_size=6), st.booleans())
+@given(st.lists(_args, min_size=6, max_size=6), st.booleans(), st.booleans())
 @settings(max_examples=2000)
-def test_socket_rules_model(args: list[int], unix: bool) -> None:
-    groups = seccomp.plan(SeccompOptions(allow_unix_sockets=unix))
-    assert _answer(groups, "socket", args) == _expected_socket(args, unix)
+def test_socket_rules_model(args: list[int], unix: bool, udp: bool) -> None:
+    groups = seccomp.plan(SeccompOptions(allow_unix_sockets=unix, allow_udp=udp))
+    assert _answer(groups, "socket", args) == _expected_socket(args, unix, udp)
     pair = None if args[0] == 1 and unix else errno.EAFNOSUPPORT
     assert _answer(groups, "socketpair", args) == pair
 
@@ -1095,6 +1097,63 @@ def test_outside_is_exact_near_the_allowed_values() -> None:
     assert _matched(wide, near) == [value for value in near if value not in (1, 2, 10)]
     narrow = seccomp._outside(0, [1], bits=4)
     assert _matched(narrow, near) == [value for value in near if value & 0xF != 1]
+
+
+# The variant for a captured child: UDP sockets, and nothing else more
+
+
+@pytest.fixture(scope="module")
+def prepared_udp() -> PreparedFilter:
+    return _loadable(SeccompOptions(allow_udp=True))
+
+
+@pytest.mark.parametrize(
+    ("family", "kind", "protocol"),
+    [
+        pytest.param(AF_INET, SOCK_DGRAM, 0, id="udp"),
+        pytest.param(AF_INET, SOCK_DGRAM | SOCK_FLAGS, 17, id="udp-ipproto-with-flags"),
+        pytest.param(AF_INET6, SOCK_DGRAM, 0, id="udp6"),
+        pytest.param(AF_INET6, SOCK_DGRAM, 17, id="udp6-ipproto"),
+        pytest.param(AF_INET, SOCK_STREAM, 0, id="tcp"),
+        pytest.param(AF_INET6, SOCK_STREAM | SOCK_FLAGS, 6, id="tcp6"),
+    ],
+)
+def test_udp_variant_allows(
+    prepared_udp: PreparedFilter, family: int, kind: int, protocol: int
+) -> None:
+    _assert_allowed(prepared_udp, _socket_probe(family, kind, protocol))
+
+
+UDP_VARIANT_REFUSED = [
+    pytest.param(AF_INET, SOCK_DGRAM, 1, errno.EPROTONOSUPPORT, id="icmp-ping"),
+    pytest.param(AF_INET6, SOCK_DGRAM, 58, errno.EPROTONOSUPPORT, id="icmp6-ping"),
+    pytest.param(AF_INET, SOCK_DGRAM, 136, errno.EPROTONOSUPPORT, id="udplite"),
+    pytest.param(AF_INET, SOCK_DGRAM, _HIGH | 17, errno.EPROTONOSUPPORT, id="udp-high-bits"),
+    pytest.param(AF_INET, SOCK_RAW, 1, errno.EPERM, id="raw"),
+    pytest.param(AF_INET6, SOCK_RAW, 58, errno.EPERM, id="raw6"),
+    pytest.param(AF_INET, SOCK_SEQPACKET, IPPROTO_SCTP, errno.EPERM, id="sctp-seqpacket"),
+    pytest.param(AF_INET, SOCK_STREAM, IPPROTO_MPTCP, errno.EPROTONOSUPPORT, id="mptcp"),
+    pytest.param(AF_INET6, SOCK_STREAM, IPPROTO_MPTCP, errno.EPROTONOSUPPORT, id="mptcp6"),
+    pytest.param(AF_INET, SOCK_STREAM, IPPROTO_SCTP, errno.EPROTONOSUPPORT, id="sctp-stream"),
+    pytest.param(AF_PACKET, SOCK_DGRAM, 0, errno.EAFNOSUPPORT, id="packet"),
+    pytest.param(AF_NETLINK, SOCK_DGRAM, 0, errno.EAFNOSUPPORT, id="netlink"),
+    pytest.param(AF_VSOCK, SOCK_DGRAM, 0, errno.EAFNOSUPPORT, id="vsock"),
+]
+
+
+@pytest.mark.parametrize(("family", "kind", "protocol", "expected"), UDP_VARIANT_REFUSED)
+def test_udp_variant_still_refuses(
+    prepared_udp: PreparedFilter, family: int, kind: int, protocol: int, expected: int
+) -> None:
+    _assert_refused(prepared_udp, _socket_probe(family, kind, protocol), expected)
+
+
+def test_udp_variant_changes_only_the_inet_groups() -> None:
+    plain = {group.name: group.rules for group in seccomp.plan()}
+    udp = {group.name: group.rules for group in seccomp.plan(SeccompOptions(allow_udp=True))}
+    assert list(plain) == list(udp)
+    changed = {name for name in plain if plain[name] != udp[name]}
+    assert changed == {"inet socket types", "inet protocols"}
 
 
 def test_compiled_program_is_cached_and_enforces(tmp_path: Path) -> None:

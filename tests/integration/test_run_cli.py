@@ -341,7 +341,7 @@ def test_report_lists_every_mechanism(box: Box) -> None:
         match = REPORT_LINE.match(line)
         if match:
             rows[match[1]] = match[2]
-    expected = {m.value for m in Mechanism} | {"network_boundary"}
+    expected = {m.value for m in Mechanism} | {"network_boundary", "capture"}
     assert set(rows) == expected, _explain(done)
     assert set(rows.values()) == {"full"}, rows
     quiet = box.egressbox("--", "/bin/sh", "-c", "exit 0")

@@ -101,8 +101,13 @@ class Box:
         )
 
     def egressbox(self, *args: str) -> subprocess.CompletedProcess[bytes]:
-        """`egressbox run --quiet ARGS`, with the workspace as cwd (and so the write root)."""
-        return self.run([*self.actor.egressbox, "run", "--quiet", *args])
+        """`egressbox run --quiet --policy DENY-ALL ARGS`, with the workspace as cwd (and so
+        the write root); with a policy, run says nothing of its own on stderr."""
+        policy = self.home / "deny-all.toml"
+        if not policy.exists():
+            policy.write_text("[egress]\nallow = []\n", encoding="utf-8")
+            self.actor.own(policy, 0o644)
+        return self.run([*self.actor.egressbox, "run", "--quiet", "--policy", str(policy), *args])
 
 
 @pytest.fixture
@@ -395,7 +400,11 @@ def test_a_terminal_stderr_reaches_the_child_as_a_pty(box: Box) -> None:
     try:
         tty.setraw(slave)  # so that what the parent writes arrives exactly
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 45, 123, 0, 0))
-        argv = [*box.actor.egressbox, "run", "--quiet", "--", box.actor.python, "-c", PTY_CHILD]
+        policy = box.home / "deny-all.toml"
+        policy.write_text("[egress]\nallow = []\n", encoding="utf-8")
+        box.actor.own(policy, 0o644)
+        argv = [*box.actor.egressbox, "run", "--quiet", "--policy", str(policy)]
+        argv += ["--", box.actor.python, "-c", PTY_CHILD]
         command, env = box.actor.command(argv, box.actor.base_env(box.home))
         proc = subprocess.Popen(
             command,

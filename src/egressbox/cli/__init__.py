@@ -79,6 +79,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_check(sub)
     _add_explain(sub)
     _add_doctor(sub)
+    _add_connect(sub)
     if command in (None, "audit"):
         from egressbox import audit_cli
 
@@ -251,6 +252,14 @@ def _add_run(sub: Subparsers) -> None:
         "the command to the proxy (its network is then unconfined)",
     )
     p.add_argument(
+        "--no-capture",
+        action="store_true",
+        help="do not capture: by default every TCP connection the command makes reaches the "
+        "proxy, proxy variables or not, and its DNS is answered inside its namespace (where "
+        "the host allows it: egressbox doctor, row capture); without it only the proxy "
+        "variables lead anywhere",
+    )
+    p.add_argument(
         "--pass-fd",
         action="append",
         type=int,
@@ -351,6 +360,28 @@ def _add_doctor(sub: Subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _add_connect(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "connect",
+        help="relay stdin/stdout to HOST PORT through a running proxy (ssh's ProxyCommand)",
+        description="Open HOST:PORT through a running egressbox proxy (it decides and audits "
+        "it like any request) and relay standard input and output: "
+        "ssh -o ProxyCommand='egressbox connect %%h %%p' HOST. The proxy comes from --proxy or "
+        "from https_proxy/http_proxy/ALL_PROXY.",
+    )
+    p.add_argument("host", metavar="HOST")
+    p.add_argument("port", metavar="PORT", type=int)
+    p.add_argument(
+        "--proxy", metavar="URL", help="http://HOST:PORT (CONNECT) or socks5://HOST:PORT"
+    )
+
+
+def cmd_connect(args: argparse.Namespace) -> int:
+    from egressbox.cli import connect
+
+    return connect.main(args.host, args.port, args.proxy)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(_command_of(words)).parse_args(words)
@@ -360,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check": cmd_check,
         "explain": cmd_explain,
         "doctor": cmd_doctor,
+        "connect": cmd_connect,
         "audit": _cmd_audit,
     }
     try:
@@ -605,15 +637,50 @@ def profile_support(support: object) -> dict[str, dict[str, object]]:
     return result
 
 
-def _profiles_table(profiles: dict[str, dict[str, object]]) -> str:
-    lines = [f"{'PROFILE':<17}  {'WOULD ENFORCE HERE':<60}  MISSING"]
-    for name, row in profiles.items():
-        enforced = ", ".join(row["enforced"]) or "-"  # type: ignore[arg-type]
-        missing = ", ".join(row["missing"]) or "-"  # type: ignore[arg-type]
-        lines.append(f"{name:<17}  {enforced:<60}  {missing}")
-        for refusal in row["refuses"]:  # type: ignore[attr-defined]
-            lines.append(f"{'':<17}  {refusal}")
+def _profiles_table(profiles: dict[str, dict[str, object]], width: int = 0) -> str:
+    """PROFILE, WOULD ENFORCE HERE, MISSING, sized to their contents and to the terminal
+    (or `width`): a list too long for its column wraps between items, a refusal under its row."""
+    import itertools
+    import textwrap
+
+    width = width or _terminal_columns()
+    rows = [(name, _texts(r["enforced"]), _texts(r["missing"])) for name, r in profiles.items()]
+    name_w = max(len(name) for name in ["PROFILE", *profiles])
+    # The widest a column needs (all on one line), and the least (its longest item).
+    most = [max(len(", ".join(r[i])) for r in rows) for i in (1, 2)]
+    least = [max((len(item) + 1 for r in rows for item in r[i]), default=1) for i in (1, 2)]
+    missing_w = max(most[1], len("MISSING"))
+    room = width - name_w - 4
+    if max(most[0], len("WOULD ENFORCE HERE")) + missing_w > room:
+        missing_w = max(len("MISSING"), least[1], min(missing_w, room // 3))
+    enforced_w = max(len("WOULD ENFORCE HERE"), least[0], min(most[0], room - missing_w))
+    lines = [f"{'PROFILE':<{name_w}}  {'WOULD ENFORCE HERE':<{enforced_w}}  MISSING"]
+    for name, enforced, missing in rows:
+        cells = (_pack(enforced, enforced_w), _pack(missing, missing_w))
+        for first, (left, right) in enumerate(itertools.zip_longest(*cells, fillvalue="")):
+            label = "" if first else name
+            lines.append(f"{label:<{name_w}}  {left:<{enforced_w}}  {right}".rstrip())
+        indent = " " * (name_w + 2)
+        for refusal in _texts(profiles[name]["refuses"]):
+            wrapped = textwrap.wrap(refusal, max(width - len(indent), 20))
+            lines += [indent + line for line in wrapped]
     return "\n".join(lines)
+
+
+def _texts(value: object) -> list[str]:
+    return [str(item) for item in value] if isinstance(value, list) else []
+
+
+def _pack(items: list[str], width: int) -> list[str]:
+    """A comma-separated list in lines of at most `width`, broken only between items."""
+    lines = [""]
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if lines[-1] and len(lines[-1]) + 1 + len(piece) > width:
+            lines.append(piece)
+        else:
+            lines[-1] = f"{lines[-1]} {piece}".lstrip()
+    return lines if items else ["-"]
 
 
 if __name__ == "__main__":

@@ -135,6 +135,7 @@ def _cli_options(
         nameservers=servers,
         trusted_files=trusted,
         log_allowed=getattr(args, "verbose", False),
+        capture=not getattr(args, "no_capture", False),
         **chosen,
     )
 

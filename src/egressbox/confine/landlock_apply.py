@@ -32,12 +32,15 @@ def apply(
     connect_ports: Sequence[int] | None,
     allow_loopback: bool,
     scopes: bool,
+    connect_any: bool = False,
 ) -> LandlockReport:
     """Restrict this process: fs when `read` is given, TCP when `connect_ports` is.
 
     TCP: connect only to the proxy's ports and no bind at all. With
     `allow_loopback` the child may bind and connect freely: only sensible
-    inside a private network namespace (the caller checks that).
+    inside a private network namespace (the caller checks that). With
+    `connect_any` (a captured namespace, where every connection ends at
+    egressbox) only binds are refused.
     """
     abi = ll.abi_version()
     if abi == 0:
@@ -45,6 +48,8 @@ def apply(
     fs = ll.fs_access_for_abi(abi) if read is not None else ll.NO_FS
     use_net = connect_ports is not None and not allow_loopback and abi >= ll.MIN_ABI_NET
     net = ll.net_access_for_abi(abi) if use_net else ll.NO_NET
+    if net and connect_any:
+        net = ll.AccessNet.BIND_TCP
     scoped = ll.scopes_for_abi(abi) if scopes else ll.NO_SCOPE
     if not (fs or net or scoped):
         return LandlockReport(abi, False, False, False)
@@ -53,7 +58,7 @@ def apply(
         if fs:
             skipped += _paths(ruleset, read or (), READ_RIGHTS & fs)
             skipped += _paths(ruleset, write, fs)
-        for port in connect_ports or () if net else ():
+        for port in connect_ports or () if net & ll.AccessNet.CONNECT_TCP else ():
             ruleset.add_net_port_rule(port, ll.AccessNet.CONNECT_TCP)
         ruleset.restrict_self()
     return LandlockReport(abi, bool(fs), bool(net), bool(scoped), tuple(skipped))

@@ -86,6 +86,9 @@ class LaunchPlan:
     # The std fds that are terminals are a new pty of the run's: the command makes it its
     # controlling terminal in a session of its own (never the caller's terminal on /dev/tty).
     controlling_tty: bool = False
+    # Transparent capture in the network namespace (confine/capture.py): every TCP connection
+    # to the capture listener, DNS to egressbox's DNS sockets. Only with a network namespace.
+    capture: bool = False
 
     def has(self, mechanism: Mechanism) -> bool:
         return mechanism.value in self.mechanisms
@@ -114,6 +117,12 @@ class _Progress:
     # What was really applied, reported to the parent just before exec.
     applied: dict[str, Any] = field(default_factory=dict)
     etc_hidden: list[str] | None = None
+    # Why libnftables could not be loaded (capture is then not applied).
+    capture_unloadable: str = ""
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.applied.get("capture", {}).get("status") == "full")
 
 
 # One launcher per process: where it got to decides how a failure is reported.
@@ -145,7 +154,13 @@ def _preload(plan: LaunchPlan) -> None:
         from egressbox.confine import seccomp
 
         del seccomp
-    del plan
+    if plan.capture:
+        from egressbox.confine import capture
+
+        try:
+            capture.load_library()
+        except capture.CaptureError as exc:
+            _PROGRESS.capture_unloadable = str(exc)
 
 
 def _tell(chan: socket.socket, message: dict[str, object], fds: tuple[int, ...] = ()) -> None:
@@ -215,7 +230,8 @@ def _prepare_seccomp(plan: LaunchPlan) -> Any:
         return None
     from egressbox.confine import seccomp
 
-    return seccomp.prepare(seccomp.SeccompOptions())
+    # A captured child may make UDP sockets: every datagram ends at our DNS socket or nowhere.
+    return seccomp.prepare(seccomp.SeccompOptions(allow_udp=plan.capture))
 
 
 def _unshare(plan: LaunchPlan) -> None:
@@ -251,19 +267,72 @@ def _unshare(plan: LaunchPlan) -> None:
 
 
 def _listeners(plan: LaunchPlan, chan: socket.socket) -> tuple[int, ...]:
+    """Bind the proxy's listeners (and, with capture, the capture and DNS sockets) inside the
+    namespace and send them up; returns the proxy's (http, socks) ports.
+
+    The message: {"event": "listening", "ports": [...], "roles": [...]} with one fd per role,
+    in this order: http, socks, then with capture: capture, dns_udp, dns_tcp.
+    """
     if not plan.has(Mechanism.NETWORK_NAMESPACE):
         _tell(chan, {"event": "listening", "ports": list(plan.host_ports)})
         return plan.host_ports
     netns.loopback_up()
     socks = [netns.bind_listener(plan.proxy_host, 0) for _ in range(2)]
     ports = tuple(s.getsockname()[1] for s in socks)
-    netns.send_message(
-        chan, {"event": "listening", "ports": list(ports)}, [s.fileno() for s in socks]
-    )
+    roles = ["http", "socks"]
+    if plan.capture:
+        made = _capture(plan, ports)
+        if made:
+            socks += made
+            roles += ["capture", "dns_udp", "dns_tcp"]
+    message: dict[str, object] = {
+        "event": "listening",
+        "ports": [s.getsockname()[1] for s in socks],
+        "roles": roles,
+    }
+    netns.send_message(chan, message, [s.fileno() for s in socks])
     for sock in socks:
         # Our copies would keep the namespace's listeners alive after the parent closes its own.
         sock.close()
     return ports
+
+
+def _capture(plan: LaunchPlan, proxy_ports: tuple[int, ...]) -> list[socket.socket]:
+    """Capture sockets, local routes and the nat rules, while we hold CAP_NET_ADMIN and
+    CAP_NET_BIND_SERVICE in the namespace; on any failure nothing of it is kept, the command
+    runs without capture, and the report says why."""
+    from egressbox.confine import capture
+
+    if _PROGRESS.capture_unloadable:
+        _PROGRESS.applied["capture"] = {"status": "none", "reason": _PROGRESS.capture_unloadable}
+        return []
+    if plan.proxy_host != capture.CAPTURE_HOST:  # the rules leave the proxy alone there only
+        reason = f"the proxy listens on {plan.proxy_host}, not {capture.CAPTURE_HOST}"
+        _PROGRESS.applied["capture"] = {"status": "none", "reason": reason}
+        return []
+    try:
+        made = capture.open_sockets(netns.LISTEN_BACKLOG)
+    except OSError as exc:
+        reason = f"binding the capture sockets: {exc.strerror or exc}"
+        _PROGRESS.applied["capture"] = {"status": "none", "reason": reason}
+        return []
+    try:
+        families = capture.add_local_routes()
+        ipv6 = made.dual_stack and "ipv6" in families
+        capture.install_redirect(
+            proxy_ports, made.capture_port, ipv6=ipv6, allow_loopback=plan.allow_loopback
+        )
+    except (OSError, capture.CaptureError) as exc:
+        made.close()
+        _PROGRESS.applied["capture"] = {"status": "none", "reason": capture.describe(exc)}
+        return []
+    _PROGRESS.applied["capture"] = {
+        "status": "full",
+        "families": ["ipv4", "ipv6"] if ipv6 else ["ipv4"],
+        "capture_port": made.capture_port,
+        "dns": f"{capture.DNS_HOST}:{capture.DNS_PORT}",
+    }
+    return list(made.all())
 
 
 def _await_go(chan: socket.socket) -> None:
@@ -348,6 +417,9 @@ def _mounts(plan: LaunchPlan) -> None:
     spec = plan.world
     if not plan.has(Mechanism.PID_NAMESPACE) and spec.new_proc:
         spec = dataclasses.replace(spec, new_proc=False)
+    if spec.files and plan.capture and not _PROGRESS.captured:
+        # Capture failed: the view's /etc stays the host's, as without capture.
+        spec = dataclasses.replace(spec, files=())
     try:
         report = world.apply_world(spec, _PROGRESS.etc_hidden)
     except OSError as exc:
@@ -501,14 +573,26 @@ def _landlock(plan: LaunchPlan, ports: tuple[int, ...]) -> dict[str, Any]:
     read, write = plan.read, plan.write
     if not plan.has(Mechanism.MOUNT_NAMESPACE):
         read, write = _without_mounts(plan)
+    # Captured: a connect to any address and port ends at egressbox (the namespace holds it),
+    # so Landlock refuses only TCP binds.
+    captured = _PROGRESS.captured
     report = landlock_apply.apply(
         read=read if plan.has(Mechanism.LANDLOCK_FS) else None,
         write=write,
         connect_ports=ports if plan.has(Mechanism.LANDLOCK_NET) else None,
         allow_loopback=plan.allow_loopback,
         scopes=plan.has(Mechanism.LANDLOCK_SCOPE),
+        connect_any=captured,
     )
-    return {"abi": report.abi, "fs": report.fs, "net": report.net, "scopes": report.scopes}
+    applied: dict[str, Any] = {
+        "abi": report.abi,
+        "fs": report.fs,
+        "net": report.net,
+        "scopes": report.scopes,
+    }
+    if report.net:
+        applied["connect"] = "any port (captured)" if captured else "the proxy's ports"
+    return applied
 
 
 def _without_mounts(plan: LaunchPlan) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -406,6 +406,20 @@ DEFAULT_TMP_SIZE = "2g"
 DEFAULT_SHM_SIZE = "256m"
 
 
+# With capture (confine/capture.py) the child's resolver asks egressbox's DNS address inside
+# its namespace, and its hosts file names nothing but localhost, so every other name is asked
+# there. Bound read-only over the host's files in the child's view.
+CAPTURE_DNS_HOST = "127.0.0.53"
+CAPTURE_RESOLV_CONF = f"""# egressbox: names are answered inside this sandbox
+nameserver {CAPTURE_DNS_HOST}
+options edns0
+"""
+CAPTURE_HOSTS = """127.0.0.1\tlocalhost
+::1\tlocalhost ip6-localhost ip6-loopback
+"""
+CAPTURE_FILES = (("/etc/resolv.conf", CAPTURE_RESOLV_CONF), ("/etc/hosts", CAPTURE_HOSTS))
+
+
 @dataclass(frozen=True)
 class WorldSpec:
     """What exists for the child. Every path must be absolute."""
@@ -426,3 +440,7 @@ class WorldSpec:
     max_processes: int | None = None
     tmp_size: str = DEFAULT_TMP_SIZE
     shm_size: str = DEFAULT_SHM_SIZE
+    # (path, text): files that hold exactly this text in the view, read-only, whatever the
+    # host has there (a symlink on the host, /etc/resolv.conf -> ../run/..., is followed
+    # inside the view and its target made). CAPTURE_FILES with capture.
+    files: tuple[tuple[str, str], ...] = ()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from egressbox.confine import landlock
+from egressbox.confine import capture, landlock
 
 # Namespace flags for unshare(2) (<sched.h>); Python 3.11 has no os.unshare.
 CLONE_NEWNS = 0x00020000
@@ -98,6 +98,9 @@ class Mechanism:
         return self.status is Availability.AVAILABLE
 
 
+_NOT_PROBED = Mechanism("capture", Availability.CANNOT_ATTACH, "not probed")
+
+
 @dataclass(frozen=True)
 class HostSupport:
     """Every mechanism egressbox can use, as seen by the process that probed."""
@@ -111,6 +114,9 @@ class HostSupport:
     mount_namespace: Mechanism
     pid_namespace: Mechanism
     close_range: Mechanism
+    # Transparent capture in the child's network namespace (local routes + nftables nat):
+    # `run` captures every TCP connection and answers DNS there when this is available.
+    capture: Mechanism = _NOT_PROBED
     elapsed_s: float = field(default=0.0, compare=False)
 
     def mechanisms(self) -> tuple[Mechanism, ...]:
@@ -151,6 +157,7 @@ def probe_host() -> HostSupport:
         "mount_namespace": lambda: _probe_namespace("mount_namespace", CLONE_NEWNS),
         "pid_namespace": lambda: _probe_namespace("pid_namespace", CLONE_NEWPID),
         "close_range": _probe_close_range,
+        "capture": _probe_capture,
     }
     results = {name: _guarded(name, probe) for name, probe in probes.items()}
     return HostSupport(euid=os.geteuid(), elapsed_s=time.monotonic() - started, **results)
@@ -406,6 +413,30 @@ def _probe_close_range() -> Mechanism:
         status = Availability.ABSENT_ON_HOST if err == errno.ENOSYS else Availability.CANNOT_ATTACH
         return Mechanism("close_range", status, f"close_range(2) failed: {_errno_name(err)}")
     return Mechanism("close_range", Availability.AVAILABLE, "close_range(2) works")
+
+
+# Capture (nftables nat + local routes in a throwaway namespace)
+
+
+def _probe_capture() -> Mechanism:
+    loads, why = capture.available()
+    if not loads:
+        return Mechanism("capture", Availability.ABSENT_ON_HOST, why)
+    outcome = _run_in_child(_capture_child)
+    if not outcome.ok:
+        text = _outcome_text(outcome)
+        return Mechanism("capture", Availability.CANNOT_ATTACH, f"a test namespace failed: {text}")
+    detail = f"{why}; a test namespace redirected a connect and read its destination back"
+    return Mechanism("capture", Availability.AVAILABLE, detail)
+
+
+def _capture_child() -> None:
+    try:
+        capture.self_test()
+    except OSError as exc:
+        raise _StepError(exc.strerror or str(exc), exc.errno or 0) from exc
+    except capture.CaptureError as exc:
+        raise _StepError(str(exc), 0) from exc
 
 
 # Child processes

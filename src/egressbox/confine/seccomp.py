@@ -59,6 +59,7 @@ _NR_UNKNOWN = -1
 # Socket constants (<sys/socket.h>, <netinet/in.h>, <linux/tcp.h>).
 SOCK_TYPE_MASK = 0xF  # the kernel masks the type with this; the rest are SOCK_NONBLOCK/CLOEXEC
 IPPROTO_TCP = 6
+IPPROTO_UDP = 17
 MSG_FASTOPEN = 0x20000000
 TCP_FASTOPEN_CONNECT = 30
 
@@ -144,6 +145,10 @@ class SeccompOptions:
     # A syscall through a non-native ABI kills the process; False makes it fail with ENOSYS
     # instead. Either way it never runs, since the rules only know native syscall numbers.
     kill_on_bad_arch: bool = True
+    # UDP sockets (SOCK_DGRAM, protocol 0 or UDP) for IPv4 and IPv6: only for a child whose
+    # network namespace is captured (confine/capture.py), where a datagram reaches nothing but
+    # egressbox's DNS socket; glibc's resolver needs them. Raw, ICMP, UDP-Lite stay refused.
+    allow_udp: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,8 +241,8 @@ def plan(options: SeccompOptions | None = None) -> tuple[RuleGroup, ...]:
     options = options or SeccompOptions()
     return (
         _socket_families(options),
-        _inet_socket_types(),
-        _inet_protocols(),
+        _inet_socket_types(options),
+        _inet_protocols(options),
         _fast_open(),
         _io_uring(),
         _other_processes(),
@@ -276,41 +281,59 @@ def _socket_families(options: SeccompOptions) -> RuleGroup:
     )
 
 
-def _inet_socket_types() -> RuleGroup:
+def _inet_socket_types(options: SeccompOptions) -> RuleGroup:
     # The kernel reads the type as (int)arg & 0xf; the other bits may only be SOCK_NONBLOCK and
     # SOCK_CLOEXEC (anything else is EINVAL), so a 4-bit masked test sees exactly its choice.
     # The family is compared exactly: a family with high bits was refused above.
-    not_stream = _outside(1, [int(socket.SOCK_STREAM)], bits=4)
+    kinds = [int(socket.SOCK_STREAM)] + ([int(socket.SOCK_DGRAM)] if options.allow_udp else [])
+    not_allowed = _outside(1, kinds, bits=4)
     rules = tuple(
         Rule("socket", errno.EPERM, (ArgCmp(0, CmpOp.EQ, int(family)), cmp))
         for family in (socket.AF_INET, socket.AF_INET6)
-        for cmp in not_stream
+        for cmp in not_allowed
     )
-    return RuleGroup(
-        "inet socket types",
-        "IP sockets must be SOCK_STREAM: Landlock's rules cover TCP only, so UDP (DNS, QUIC), "
-        "raw and seqpacket sockets would reach anything the namespace routes",
-        rules,
-    )
+    if options.allow_udp:
+        why = (
+            "IP sockets must be SOCK_STREAM or SOCK_DGRAM: raw and seqpacket sockets would reach "
+            "whatever the namespace routes; datagrams are allowed only because every one of "
+            "them ends at egressbox's DNS socket or nowhere (capture)"
+        )
+    else:
+        why = (
+            "IP sockets must be SOCK_STREAM: Landlock's rules cover TCP only, so UDP (DNS, QUIC), "
+            "raw and seqpacket sockets would reach anything the namespace routes"
+        )
+    return RuleGroup("inet socket types", why, rules)
 
 
-def _inet_protocols() -> RuleGroup:
+def _inet_protocols(options: SeccompOptions) -> RuleGroup:
     # Protocol 0 and IPPROTO_TCP both mean TCP for a stream socket. MPTCP (262), SCTP (132) and
     # SMC (IPPROTO_SMC, 256) are stream sockets too but skip Landlock's TCP hooks.
     # EPROTONOSUPPORT is what a kernel without them answers, so MPTCP-aware clients (Go's net
     # package, mptcpize) fall back to plain TCP. Compared over 64 bits, like the family.
-    other_protocol = _outside(2, [0, IPPROTO_TCP])
-    stream = ArgCmp(1, CmpOp.MASKED_EQ, SOCK_TYPE_MASK, int(socket.SOCK_STREAM))
+    # With UDP allowed, a datagram socket must be UDP (0 or IPPROTO_UDP): not ICMP ("ping"
+    # sockets), UDP-Lite or SCTP.
+    kinds = [(int(socket.SOCK_STREAM), (0, IPPROTO_TCP))]
+    if options.allow_udp:
+        kinds.append((int(socket.SOCK_DGRAM), (0, IPPROTO_UDP)))
     rules = tuple(
-        Rule("socket", errno.EPROTONOSUPPORT, (ArgCmp(0, CmpOp.EQ, int(family)), stream, cmp))
+        Rule(
+            "socket",
+            errno.EPROTONOSUPPORT,
+            (
+                ArgCmp(0, CmpOp.EQ, int(family)),
+                ArgCmp(1, CmpOp.MASKED_EQ, SOCK_TYPE_MASK, kind),
+                cmp,
+            ),
+        )
+        for kind, protocols in kinds
         for family in (socket.AF_INET, socket.AF_INET6)
-        for cmp in other_protocol
+        for cmp in _outside(2, protocols)
     )
-    return RuleGroup(
-        "inet protocols",
-        "IP stream sockets must be TCP: MPTCP, SCTP and SMC bypass Landlock's TCP connect rule",
-        rules,
-    )
+    why = "IP stream sockets must be TCP: MPTCP, SCTP and SMC bypass Landlock's TCP connect rule"
+    if options.allow_udp:
+        why += "; IP datagram sockets must be UDP (no ICMP, UDP-Lite or SCTP)"
+    return RuleGroup("inet protocols", why, rules)
 
 
 def _fast_open() -> RuleGroup:

@@ -20,6 +20,8 @@ Order of the steps and why:
 7. Masks: credential paths inside grants, and the ``/etc`` entries only their owner or group may
    read (shadow, SSH host keys, sudoers), covered by an empty placeholder of mode 000: a root
    child owns every root-owned file, so permissions alone would not keep them out.
+   Then the spec's own files (with capture: ``/etc/resolv.conf`` naming egressbox's DNS address,
+   ``/etc/hosts`` with localhost only) are bound read-only over what the host has there.
 8. A fresh ``/proc`` (its ``pid_max`` capping the namespace's tasks), its kernel knobs
    read-only; a fresh read-only ``/sys`` of the child's network namespace; a minimal ``/dev``.
 9. ``pivot_root`` and detach the old root; the new root's own tmpfs becomes read-only.
@@ -173,6 +175,7 @@ def _build(spec: WorldSpec, held: _Held, log: _Log) -> None:
     for path in spec.read_only:
         _protect(root, os.path.realpath(path), log)
     _mask_all(root, (*spec.mask, *held.etc_hidden), log)
+    _write_files(root, spec.files, log)
     if spec.new_proc:
         _proc(root, spec, log)
     else:
@@ -224,6 +227,7 @@ def _check_absolute(spec: WorldSpec) -> None:
         *spec.mask,
         *spec.socket_roots,
         *spec.scratch,
+        *(path for path, _ in spec.files),
         spec.cwd,
     )
     relative = [p for p in paths if not os.path.isabs(p)]
@@ -472,6 +476,73 @@ def _mask(root: str, raw: str, empty_file: str, empty_dir: str, log: _Log) -> No
     except OSError as exc:
         raise WorldError(exc.errno or errno.EIO, f"mask {raw}: {exc.strerror}") from None
     log.did(f"mask {raw}")
+
+
+def _write_files(root: str, files: Iterable[tuple[str, str]], log: _Log) -> None:
+    """Each file of the spec holds its text in the view, read-only (step 7, after the masks).
+
+    The text is written to the new root's own tmpfs and bound over the path as the view
+    resolves it: a host symlink (``/etc/resolv.conf -> ../run/systemd/resolve/...``) is
+    followed inside the new root, where its target may be missing (the private /run), and is
+    then made there; never on the host.
+    """
+    for index, (path, text) in enumerate(files):
+        source = f"{root}/.egressbox-file-{index}"
+        try:
+            fd = os.open(source, _O_CREATE, 0o644)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.chmod(source, 0o644)
+            where = _view_path(root, path)
+            _file_mount_point(root, where)
+            syscalls.mount(source, root + where, None, MS_BIND)
+            syscalls.mount_setattr(root + where, _BIND_ATTRS | MOUNT_ATTR_RDONLY, recursive=False)
+        except OSError as exc:
+            log.skip(f"file {path}", exc.strerror or str(exc))
+            continue
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(source)  # the bind keeps the file; its name goes
+        log.did(f"file {path}" + (f" (at {where})" if where != path else ""))
+
+
+def _view_path(root: str, path: str) -> str:
+    """`path` as the child will resolve it: every symlink met is followed inside the new root."""
+    pending = [p for p in path.split("/") if p]
+    current = "/"
+    hops = 0
+    while pending:
+        part = pending.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, part)
+        if not os.path.islink(root + candidate):
+            current = candidate
+            continue
+        hops += 1
+        if hops > _MAX_LINKS:
+            raise WorldError(errno.ELOOP, f"too many symlinks resolving {path}")
+        target = os.readlink(root + candidate)
+        if target.startswith("/"):
+            current = "/"
+        pending[:0] = [p for p in target.split("/") if p]
+    return current
+
+
+def _file_mount_point(root: str, path: str) -> None:
+    """An existing file to bind over, or an empty one made in the new root's own tmpfs."""
+    target = root + path
+    if os.path.lexists(target):
+        if os.path.isdir(target):
+            raise WorldError(errno.EISDIR, f"{path} is a directory")
+        return
+    _make_dirs(root, path, last=False)
+    if os.stat(os.path.dirname(target)).st_dev not in _own_devices(root):
+        raise WorldError(errno.ENOENT, f"{path} is missing below a bound grant")
+    os.close(os.open(target, _O_CREATE, 0o644))
 
 
 def _proc(root: str, spec: WorldSpec, log: _Log) -> None:

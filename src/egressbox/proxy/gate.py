@@ -37,6 +37,7 @@ from egressbox.relay import (
 
 # Imported at run time: compiled dataclasses resolve their field types.
 from egressbox.resolve import Resolver
+from egressbox.synthetic import SyntheticNames
 
 Log = Callable[[str], None]
 
@@ -109,6 +110,8 @@ class ProxyState:
     internal_errors: int = 0
     # The diagnostic line of an allowed connection too (else refusals only).
     log_allowed: bool = True
+    # `run` with capture: the names a child looked up, by their synthetic addresses.
+    synthetic: SyntheticNames | None = None
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         return self.loop or asyncio.get_running_loop()

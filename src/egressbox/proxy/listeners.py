@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 
 from egressbox.audit import AuditProtocol, AuditRecord
 from egressbox.decide import Decision
@@ -196,3 +197,71 @@ class SocksConnection(_Lingering):
     def established(self, upstream: asyncio.Transport) -> bytes:
         host, port = upstream.get_extra_info("sockname")[:2]
         return self.machine.reply_success(host, port)
+
+
+class CapturedConnection(Connection):
+    """A connection the child made without the proxy, redirected to the capture listener in
+    its namespace (`run` with capture). Its original destination is the request: a synthetic
+    address maps back to the name the child looked up (decided as `name:port`), any other
+    address is an IP-literal request. Nothing is answered: an allowed connection simply
+    works (dialled to the checked addresses, its TLS name checked); a refused one is reset."""
+
+    protocol_name = AuditProtocol.TCP
+
+    def __init__(self, state: ProxyState) -> None:
+        super().__init__(state)
+        self.early = b""  # bytes the child sent before the decision began
+        self.begun = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # Some loops start reading only after connection_made returns, undoing a pause
+        # made in it: decide on the next turn of the loop, keeping what arrived meanwhile.
+        self.state.event_loop().call_soon(self._decide)
+
+    def _decide(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        try:
+            host, port = self._destination()
+        except (OSError, ValueError) as exc:
+            self.state.diagnostic(f"tcp: no original destination ({exc}): closed")
+            self.abort()
+            return
+        self.begun = True
+        self.begin(host, port, self.early)
+
+    def _destination(self) -> tuple[str, int]:
+        from egressbox.confine.capture import original_destination
+        from egressbox.synthetic import is_synthetic
+
+        assert self.transport is not None
+        address, port = original_destination(self.transport.get_extra_info("socket"))
+        ip = ipaddress.ip_address(address)
+        names = self.state.synthetic
+        name = names.name_for(ip) if names is not None else None
+        if name is None and is_synthetic(ip):
+            # An address we never gave out (guessed, or from an earlier run): no name to
+            # decide, and the address itself is special: the gate refuses it.
+            return address, port
+        return name or address, port
+
+    def data_received(self, data: bytes) -> None:
+        if self.begun:  # reading is paused from begin() on: nothing can come after it
+            self._internal_error(RuntimeError("bytes after the decision began"))
+            return
+        self.early += data
+        if len(self.early) > self.state.limits.max_head_bytes:
+            assert self.transport is not None
+            self.transport.pause_reading()  # the decision comes on the next turn
+
+    def refuse(self, decision: Decision) -> None:
+        self.log_refusal(decision)
+        self.abort()  # a reset: the nearest a TCP client gets to "refused"
+
+    def dial_failed(self, decision: Decision, exc: DialError) -> None:
+        self.log_refusal(decision, f"upstream: {exc}")
+        self.abort()
+
+    def established(self, upstream: asyncio.Transport) -> bytes:
+        return b""  # the child's connect already succeeded; the bytes flow as they come

@@ -39,6 +39,7 @@ from egressbox.proxy.tunnel import Connection
 
 # Imported at run time: compiled dataclasses resolve their field types.
 from egressbox.resolve import Resolution, Resolver
+from egressbox.synthetic import SyntheticNames
 
 # Listen backlog: large enough for a burst of short tunnels from a parallel
 # build (Linux caps it at net.core.somaxconn, 4096 by default).
@@ -101,15 +102,23 @@ class EgressProxy:
         socks_sockets: Sequence[socket.socket] = (),
         limits: Limits | None = None,
         log_allowed: bool = True,
+        capture_sockets: Sequence[socket.socket] = (),
+        dns_sockets: Sequence[socket.socket] = (),
+        synthetic: SyntheticNames | None = None,
     ) -> None:
         """`log` gets one line per connection; with `log_allowed` False only refusals (the
-        audit records have everything)."""
+        audit records have everything). `capture_sockets` (listeners a child's connections
+        are redirected to) and `dns_sockets` (UDP sockets and TCP listeners of its DNS) serve
+        `run` with capture; `synthetic` is the names they share."""
         self.records: list[AuditRecord] = []
         if keep_records:
             on_record = _chain(self.records.append, on_record)
         self._listen = listen
         self._ports = {"http": http_port, "socks5": socks_port}
         self._given = {"http": list(http_sockets), "socks5": list(socks_sockets)}
+        self._capture = list(capture_sockets)
+        self._dns = list(dns_sockets)
+        self._dns_udp: list[asyncio.DatagramTransport] = []
         self._own_resolver = resolver is None
         self.state = ProxyState(
             policy=policy,
@@ -120,6 +129,9 @@ class EgressProxy:
             log=log,
             socks_credentials=socks_credentials,
             log_allowed=log_allowed,
+            synthetic=synthetic
+            if synthetic is not None
+            else (SyntheticNames() if capture_sockets or dns_sockets else None),
         )
         self._servers: list[asyncio.Server] = []
         self.listeners: list[Listener] = []
@@ -134,6 +146,7 @@ class EgressProxy:
             for kind, factory in factories.items():
                 for sock in self._sockets(kind):
                     await self._serve(kind, sock, factory)
+            await self._serve_capture()
         except GeneratorExit:
             self.abort()  # the coroutine is being finalized: nothing may be awaited
             raise
@@ -143,6 +156,32 @@ class EgressProxy:
         self.state.self_endpoints = self._self_endpoints()
         self.state.loop = asyncio.get_running_loop()
         self.state.fd_capacity = fd_capacity(_soft_nofile())
+
+    async def _serve_capture(self) -> None:
+        """The capture listeners and the DNS sockets of a child's namespace, if given."""
+        from egressbox.proxy.dns import Answerer, UdpServer, serve_tcp
+        from egressbox.proxy.listeners import CapturedConnection
+
+        state = self.state
+        loop = asyncio.get_running_loop()
+        for sock in self._capture:
+            server = await loop.create_server(
+                lambda: CapturedConnection(state), sock=sock, backlog=LISTEN_BACKLOG
+            )
+            self._servers.append(server)
+        if not self._dns:
+            return
+        assert state.synthetic is not None
+        answerer = Answerer(state, state.synthetic)
+        for sock in self._dns:
+            if sock.type == socket.SOCK_DGRAM:
+                transport, _ = await loop.create_datagram_endpoint(
+                    lambda: UdpServer(answerer), sock=sock
+                )
+                self._dns_udp.append(transport)
+            else:
+                tcp = await asyncio.start_server(lambda r, w: serve_tcp(answerer, r, w), sock=sock)
+                self._servers.append(tcp)
 
     def _sockets(self, kind: str) -> list[socket.socket]:
         given = self._given[kind]
@@ -206,6 +245,9 @@ class EgressProxy:
         for server in self._servers:
             with contextlib.suppress(RuntimeError):
                 server.close()
+        for transport in self._dns_udp:
+            with contextlib.suppress(RuntimeError):
+                transport.close()
         for conn in list(state.connections):
             with contextlib.suppress(RuntimeError):
                 conn.abort()

@@ -26,6 +26,7 @@ from egressbox.confine.executable import resolve_command
 from egressbox.confine.launcher import LaunchPlan
 from egressbox.confine.plan import (
     ADMIT_HINT,
+    CAPTURE_FILES,
     CREDENTIALS,
     HOST_NEEDS,
     Enforcement,
@@ -69,6 +70,8 @@ class Prepared:
     profile: Profile = Profile.WORKSPACE_PATHS
     # Host-trusted paths absent before the run: one that appears was made by the command.
     created_watch: tuple[str, ...] = ()
+    # Why the run does not capture ("" when the launcher is asked to).
+    capture_off: str = ""
 
 
 def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
@@ -126,6 +129,8 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     ]
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
+    capture_off = _capture_off(options, chosen, facts)
+    capture = not capture_off
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
     writable = (*write_roots, *process_write)
     # A read grant inside a writable root adds nothing (a venv in the workspace stays
@@ -140,6 +145,8 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         cwd=cwd,
         protect_kernel=os.getuid() == 0,
         max_processes=options.max_processes,
+        # Captured: the child's resolver asks egressbox's DNS inside the namespace.
+        files=CAPTURE_FILES if capture else (),
     )
     plan = LaunchPlan(
         argv=options.argv,
@@ -164,10 +171,11 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         env_ports=templates,
         parent_pid=os.getpid(),
         world=world if mounts else None,
+        capture=capture,
     )
     if Mechanism.SECCOMP in chosen:
-        plan = dataclasses.replace(plan, seccomp_program=_compiled_seccomp())
-    report, network = enforcement_report(profile, chosen)
+        plan = dataclasses.replace(plan, seccomp_program=_compiled_seccomp(allow_udp=capture))
+    report, network = enforcement_report(profile, chosen, capture_off=capture_off)
     homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
     roots = [
         RootReport(kind, path, ROOT_DETAIL[kind])
@@ -184,7 +192,23 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     prepared = Prepared(plan, report, listeners, network, warnings, homes, roots)
     prepared.profile = profile
     prepared.created_watch = tuple(p for p in trusted if not os.path.lexists(p))
+    prepared.capture_off = capture_off
     return prepared
+
+
+CAPTURE_HOST_FACT = "capture"  # confine.probe's mechanism name
+
+
+def _capture_off(options: RunOptions, chosen: frozenset[Mechanism], facts: HostFacts) -> str:
+    """Why this run does not capture, or "" when it does (never a refusal)."""
+    if not options.capture:
+        return "turned off (--no-capture)"
+    if Mechanism.NETWORK_NAMESPACE not in chosen:
+        return "needs a network namespace, which this run does not have"
+    if CAPTURE_HOST_FACT not in facts.available:
+        status = facts.status.get(CAPTURE_HOST_FACT, "absent_on_host")
+        return f"unavailable on this host ({status}; egressbox doctor says why)"
+    return ""
 
 
 def _real_roots(paths: Sequence[str], home: str) -> tuple[str, ...]:
@@ -362,7 +386,7 @@ def _host_listeners() -> list[socket.socket]:
 
 
 def enforcement_report(
-    profile: Profile, chosen: frozenset[Mechanism]
+    profile: Profile, chosen: frozenset[Mechanism], *, capture_off: str = ""
 ) -> tuple[list[MechanismReport], Enforcement]:
     rows = []
     for mechanism in sorted(wanted(profile) | chosen):
@@ -376,8 +400,21 @@ def enforcement_report(
         )
     network = _network_boundary(chosen)
     rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
+    if capture_off:
+        rows.append(MechanismReport(CAPTURE_ROW, Enforcement.NONE, capture_off))
+    else:
+        rows.append(MechanismReport(CAPTURE_ROW, Enforcement.FULL, "planned"))
     return rows, network
 
+
+# The report's row for capture: not a confinement mechanism (no profile requires it, and a run
+# without it is no less confined), so never a gap.
+CAPTURE_ROW = "capture"
+# Said when the launcher captured but this run's proxy does not serve the capture sockets.
+CAPTURE_UNSERVED = (
+    "this run's proxy does not serve them yet: a captured connection is refused and a DNS "
+    "question goes unanswered"
+)
 
 _NETWORK_DETAIL = {
     Enforcement.FULL: "a private network namespace: the proxy is the only endpoint",
@@ -396,11 +433,18 @@ def _network_boundary(chosen: frozenset[Mechanism]) -> Enforcement:
 
 
 def applied_report(
-    profile: Profile, chosen: frozenset[Mechanism], applied: Mapping[str, Any] | None
+    profile: Profile,
+    chosen: frozenset[Mechanism],
+    applied: Mapping[str, Any] | None,
+    *,
+    capture_off: str = "",
+    capture_served: bool = True,
 ) -> tuple[list[MechanismReport], Enforcement]:
     """The report from what the launcher says it applied, never from the plan.
 
     No word from the launcher (it failed before exec): nothing is reported as applied.
+    `capture_off` is why capture was not planned; `capture_served` whether this run's proxy
+    serves the capture and DNS sockets the launcher made.
     """
     held = _held(applied or {})
     rows = []
@@ -414,7 +458,26 @@ def applied_report(
     applied_set = frozenset(m for m, (state, _) in held.items() if state is Enforcement.FULL)
     network = _network_boundary(applied_set)
     rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
+    rows.append(_capture_row(applied or {}, capture_off, capture_served))
     return rows, network
+
+
+def _capture_row(applied: Mapping[str, Any], off: str, served: bool) -> MechanismReport:
+    if off:
+        return MechanismReport(CAPTURE_ROW, Enforcement.NONE, off)
+    done = applied.get("capture") or {}
+    if done.get("status") != "full":
+        why = str(done.get("reason") or "planned, but not applied")
+        return MechanismReport(CAPTURE_ROW, Enforcement.NONE, f"not applied: {why}")
+    families = " and ".join(f.replace("ip", "IP") for f in done.get("families") or ["ipv4"])
+    detail = (
+        f"every {families} TCP connection goes to the proxy (capture listener port "
+        f"{done.get('capture_port')}); DNS is answered at {done.get('dns')}, where the view's "
+        "/etc/resolv.conf points; other UDP reaches nothing"
+    )
+    if not served:
+        detail += f"; {CAPTURE_UNSERVED}"
+    return MechanismReport(CAPTURE_ROW, Enforcement.FULL, detail)
 
 
 def _held(applied: Mapping[str, Any]) -> dict[Mechanism, tuple[Enforcement, str]]:
@@ -424,6 +487,8 @@ def _held(applied: Mapping[str, Any]) -> dict[Mechanism, tuple[Enforcement, str]
     world = applied.get("world") or {}
     skipped = "; ".join(f"{what}: {why}" for what, why in world.get("skipped") or ())
     seccomp = str(applied.get("seccomp", "none"))
+    captured = (applied.get("capture") or {}).get("status") == "full"
+    udp = "UDP sockets allowed: captured, they reach only the DNS address" if captured else ""
     detail = f"constructed root ({len(world.get('steps') or ())} steps)"
     return {
         Mechanism.NETWORK_NAMESPACE: (full if "net" in ns else none, ""),
@@ -433,8 +498,11 @@ def _held(applied: Mapping[str, Any]) -> dict[Mechanism, tuple[Enforcement, str]
         ),
         Mechanism.PID_NAMESPACE: (full if "pid" in ns else none, ""),
         Mechanism.LANDLOCK_FS: (full if ll.get("fs") else none, f"ABI {ll.get('abi', 0)}"),
-        Mechanism.LANDLOCK_NET: (full if ll.get("net") else none, ""),
+        Mechanism.LANDLOCK_NET: (
+            full if ll.get("net") else none,
+            f"no TCP bind; connect to {ll['connect']}" if ll.get("connect") else "",
+        ),
         Mechanism.LANDLOCK_SCOPE: (full if ll.get("scopes") else none, ""),
-        Mechanism.SECCOMP: (Enforcement(seccomp) if seccomp in {"full", "partial"} else none, ""),
+        Mechanism.SECCOMP: (Enforcement(seccomp) if seccomp in {"full", "partial"} else none, udp),
         Mechanism.CAPABILITIES: (full if applied.get("capabilities") else none, ""),
     }

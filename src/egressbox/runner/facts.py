@@ -33,21 +33,26 @@ def _cache_dir() -> str:
     return cache.directory()
 
 
-def _compiled_seccomp() -> bytes:
-    """The seccomp filter as a cached BPF program (empty: the launcher builds it)."""
+def _compiled_seccomp(allow_udp: bool = False) -> bytes:
+    """The seccomp filter as a cached BPF program (empty: the launcher builds it).
+
+    `allow_udp` is the variant for a captured child (UDP sockets allowed: they reach only
+    egressbox's DNS socket); each variant has a cache file of its own.
+    """
     import json
 
     from egressbox.confine import cache
 
     # Read the cache without importing the seccomp module (~7 ms with hashlib).
-    path = cache.path(f"seccomp-{os.uname().machine}-{os.uname().release}.json")
+    variant = "seccomp-udp" if allow_udp else "seccomp"
+    path = cache.path(f"{variant}-{os.uname().machine}-{os.uname().release}.json")
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
         data = json.loads(cache.read(path) or b"{}")
         if data.get("status") == "full":
             return bytes.fromhex(data["program"])
-    from egressbox.confine.seccomp import Status, compile_filter
+    from egressbox.confine.seccomp import SeccompOptions, Status, compile_filter
 
-    compiled = compile_filter()
+    compiled = compile_filter(SeccompOptions(allow_udp=allow_udp))
     if compiled.status is not Status.FULL:
         return b""
     cache.write(path, json.dumps({"status": "full", "program": compiled.program.hex()}).encode())
@@ -76,6 +81,8 @@ def _load_facts() -> HostFacts | None:
         return None
     try:
         data = json.loads(cache.read(path) or b"null")
+        if "capture" not in data["status"]:
+            return None  # probed before capture was a mechanism: probe again
         return HostFacts(
             frozenset(data["available"]), dict(data["status"]), int(data["abi"]), os.geteuid()
         )

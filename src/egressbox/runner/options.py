@@ -91,6 +91,11 @@ class RunOptions:
     allow_direct_network: bool = False
     # One stderr line per allowed connection too (refusals are always said).
     log_allowed: bool = False
+    # Transparent capture (DESIGN 7a): every TCP connection the command makes reaches the
+    # proxy and its DNS questions are answered inside its namespace, proxy variables or not.
+    # On wherever the host allows it (a network namespace and nftables); off with --no-capture.
+    # A host without it runs the command without capture, and the report says so.
+    capture: bool = True
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,7 @@ def options_for(
     timeout: float | None = None,
     allow_direct_network: bool = False,
     unix_socket_roots: Sequence[str] = (),
+    capture: bool = True,
 ) -> RunOptions:
     """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined().
 
@@ -179,6 +185,7 @@ def options_for(
         cwd=cwd,
         base_env=base_env,
         nameservers=tuple(nameservers),
+        capture=capture,
         **with_settings(
             policy.run_settings if policy is not None else None,
             profile=profile,

@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from egressbox.confine import netns
@@ -19,7 +19,7 @@ from egressbox.confine.plan import (
 )
 from egressbox.errors import EgressboxError
 from egressbox.exitcodes import EXIT_CANNOT_CONFINE
-from egressbox.runner.assemble import Prepared, applied_report
+from egressbox.runner.assemble import CAPTURE_ROW, Prepared, applied_report
 from egressbox.runner.options import KILL_GRACE, LAUNCHER_TIMEOUT, RunOptions, write_err
 from egressbox.stderr_tee import (
     StderrTee,
@@ -34,12 +34,18 @@ def confirm(prepared: Prepared, launched: Launched, options: RunOptions) -> None
     applied = launched.read_applied()
     if applied is None:
         return  # the command never ran: its exit code and message say why
-    prepared.report, prepared.network_boundary = applied_report(prepared.profile, chosen, applied)
+    prepared.report, prepared.network_boundary = applied_report(
+        prepared.profile,
+        chosen,
+        applied,
+        capture_off=prepared.capture_off,
+        capture_served=launched.capture_served,
+    )
     gaps = [
         row.mechanism
         for row in prepared.report
         if row.enforcement is not Enforcement.FULL
-        and row.mechanism != "network_boundary"
+        and row.mechanism not in ("network_boundary", CAPTURE_ROW)
         and not (options.allow_loopback and row.mechanism == Mechanism.LANDLOCK_NET.value)
     ]
     if gaps or prepared.network_boundary is not Enforcement.FULL:
@@ -51,8 +57,36 @@ def confirm(prepared: Prepared, launched: Launched, options: RunOptions) -> None
         write_err(f"warning: {line}")
 
 
+# Whether this process's run side serves the capture listener and the DNS sockets: the proxy
+# that runner/supervise.py makes takes Launched.capture, .dns_udp and .dns_tcp (EgressProxy's
+# capture and DNS sockets). While it does not, spawn() closes them as soon as they arrive, so a
+# captured connection is refused at once and a DNS question gets "port unreachable" at once,
+# instead of waiting in a backlog that nobody accepts; the report says so.
+SERVE_CAPTURE = True
+# Roles of the descriptors the launcher sends, in order (confine/launcher.py _listeners).
+PROXY_ROLES = ("http", "socks")
+CAPTURE_ROLES = ("capture", "dns_udp", "dns_tcp")
+
+
 @dataclass
 class Launched:
+    """A launcher that is running, and the sockets of its child's namespace.
+
+    `listeners` is [http, socks], the proxy's own listeners. With capture (the launcher
+    applied it and SERVE_CAPTURE) the namespace's other sockets, each owned by this object
+    until the proxy takes it (it then closes it), else closed by close_capture() or abandon():
+
+    - `capture`: TCP listener every other connection of the child is redirected to. Dual-stack
+      (AF_INET6, bound to [::]) when the kernel has IPv6, else AF_INET on 127.0.0.1. Read where
+      an accepted connection was going with confine.capture.original_destination(conn)
+      (SO_ORIGINAL_DST for IPv4, IPv4-mapped included; IP6T_SO_ORIGINAL_DST for IPv6).
+    - `dns_udp`: UDP socket bound to 127.0.0.53:53, where the child's /etc/resolv.conf points;
+      UDP to port 53 of any IPv4 address is sent there too (nat).
+    - `dns_tcp`: TCP listener on 127.0.0.53:53 (truncated answers, `dig +tcp`).
+
+    `ports` names each port by role: {"http", "socks"} and, with capture, {"capture", "dns"}.
+    """
+
     pid: int
     listeners: list[socket.socket]
     stdout_fd: int | None = None
@@ -67,6 +101,22 @@ class Launched:
     due: float | None = None
     timeout: float | None = None
     timed_out: bool = False
+    capture: socket.socket | None = None
+    dns_udp: socket.socket | None = None
+    dns_tcp: socket.socket | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+    # The launcher captured and the sockets were kept for this run's proxy (SERVE_CAPTURE).
+    capture_served: bool = False
+
+    def capture_sockets(self) -> list[socket.socket]:
+        """The capture and DNS sockets still held (to serve, or to watch for a first client)."""
+        return [s for s in (self.capture, self.dns_udp, self.dns_tcp) if s is not None]
+
+    def close_capture(self) -> None:
+        """Close the capture and DNS sockets nobody took (idempotent)."""
+        for sock in self.capture_sockets():
+            sock.close()
+        self.capture = self.dns_udp = self.dns_tcp = None
 
     def start_timer(self, timeout: float | None) -> None:
         if timeout is not None:
@@ -134,6 +184,7 @@ class Launched:
             self.chan = None
         for sock in self.listeners:
             sock.close()
+        self.close_capture()
         _kill_and_reap(self.pid)
         self.stderr_tail()
 
@@ -200,7 +251,7 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
         os.close(pipes[1][1])
         out_fd, err_fd = pipes[0][0], pipes[1][0]
     try:
-        listeners = _receive(parent_chan, prepared)
+        sockets = _receive(parent_chan, prepared)
     except BaseException:
         parent_chan.close()
         os.close(report_r)
@@ -209,32 +260,67 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
             tee.finish()
         raise
     parent_chan.settimeout(None)
-    launched = Launched(pid, listeners, out_fd, err_fd, parent_chan, tee=tee)
+    launched = _launched(pid, sockets, parent_chan, tee)
+    launched.stdout_fd, launched.stderr_fd = out_fd, err_fd
     launched.report_fd = report_r
-    http, socks = (s.getsockname()[1] for s in listeners[:2])
-    launched.proxy_text = f"{prepared.plan.proxy_host}:{http} (HTTP) and :{socks} (SOCKS5)"
+    launched.proxy_text = "{host}:{http} (HTTP) and :{socks} (SOCKS5)".format(
+        host=prepared.plan.proxy_host, **launched.ports
+    )
     return launched
 
 
-def _receive(chan: socket.socket, prepared: Prepared) -> list[socket.socket]:
+def _launched(
+    pid: int,
+    sockets: dict[str, socket.socket],
+    chan: socket.socket,
+    tee: StderrTee | TerminalRelay | None,
+) -> Launched:
+    """The Launched for the sockets received by role; unserved capture sockets closed."""
+    ports = {role: int(sock.getsockname()[1]) for role, sock in sockets.items()}
+    if "dns_udp" in ports:
+        ports["dns"] = ports.pop("dns_udp")
+        del ports["dns_tcp"]
+    launched = Launched(pid, [sockets[role] for role in PROXY_ROLES], chan=chan, tee=tee)
+    launched.ports = ports
+    launched.capture = sockets.get("capture")
+    launched.dns_udp = sockets.get("dns_udp")
+    launched.dns_tcp = sockets.get("dns_tcp")
+    launched.capture_served = SERVE_CAPTURE and launched.capture is not None
+    if not SERVE_CAPTURE:
+        launched.close_capture()
+    return launched
+
+
+def _receive(chan: socket.socket, prepared: Prepared) -> dict[str, socket.socket]:
+    """The sockets the launcher sent, by role (PROXY_ROLES, then CAPTURE_ROLES with capture)."""
     chan.settimeout(LAUNCHER_TIMEOUT)
     try:
         message, fds = netns.recv_message(chan)
     except TimeoutError:
         raise LaunchFailedError("the launcher did not start in time") from None
     if message.get("event") == "refused":
+        for fd in fds:
+            os.close(fd)
         raise LaunchFailedError(str(message.get("message", "confinement failed")))
     if message.get("event") != "listening":
+        for fd in fds:
+            os.close(fd)
         raise LaunchFailedError("the launcher ended before it was ready")
     if not fds:
-        return prepared.host_listeners
-    listeners = [socket.socket(fileno=fd) for fd in fds]
+        return dict(zip(PROXY_ROLES, prepared.host_listeners, strict=True))
+    received = [socket.socket(fileno=fd) for fd in fds]
+    roles = message.get("roles", list(PROXY_ROLES))
+    known = (list(PROXY_ROLES), [*PROXY_ROLES, *CAPTURE_ROLES])
+    if roles not in known or len(roles) != len(received):
+        for sock in received:
+            sock.close()
+        raise LaunchFailedError(f"the launcher sent unexpected sockets: {roles!r}")
     own = netns.own_namespace_inode()
-    if any(netns.namespace_inode(s) == own for s in listeners):
-        for sock in listeners:
+    if any(netns.namespace_inode(s) == own for s in received):
+        for sock in received:
             sock.close()
         raise LaunchFailedError("the child's listeners are not in a private network namespace")
-    return listeners
+    return dict(zip(roles, received, strict=True))
 
 
 def _kill_and_reap(pid: int) -> None:

@@ -64,10 +64,12 @@ def _make_proxy(
     from egressbox.resolve import DnsResolver
 
     http, socks = launched.listeners[0], launched.listeners[1]
-    for sock in launched.listeners:
+    capture = [s for s in (launched.capture,) if s is not None]
+    dns = [s for s in (launched.dns_udp, launched.dns_tcp) if s is not None]
+    for sock in (*launched.listeners, *capture, *dns):
         sock.setblocking(False)
     resolver = DnsResolver(list(options.nameservers)) if options.nameservers else None
-    return EgressProxy(
+    proxy = EgressProxy(
         options.policy,
         http_sockets=[http],
         socks_sockets=[socks],
@@ -76,7 +78,10 @@ def _make_proxy(
         keep_records=True,
         log=log,
         log_allowed=options.log_allowed,
+        capture_sockets=capture,
+        dns_sockets=dns,
     )
+    return proxy
 
 
 class _Hold:
@@ -122,6 +127,7 @@ class _Hold:
         launched.stderr_tail()
         for sock in launched.listeners:
             sock.close()  # served ones are closed already; unserved ones are not
+        launched.close_capture()  # the same for the capture and DNS sockets
 
     def abandon(self) -> None:
         """Tear the run down awaiting nothing: its loop is closing, or it never ran."""
@@ -463,7 +469,9 @@ def _exit_before_first_connection(launched: Launched) -> int | None:
     try:
         while True:
             try:
-                watched = [pidfd, *(sock.fileno() for sock in launched.listeners)]
+                # A captured connection or a DNS question starts the proxy too.
+                sockets = [*launched.listeners, *launched.capture_sockets()]
+                watched = [pidfd, *(sock.fileno() for sock in sockets)]
                 ready, _, _ = select.select(watched, [], [], launched.expire())
                 if ready:
                     break
@@ -473,11 +481,12 @@ def _exit_before_first_connection(launched: Launched) -> int | None:
         os.close(pidfd)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if any(sock.fileno() in ready for sock in launched.listeners):
+    if any(sock.fileno() in ready for sock in sockets):
         return None
     _, status = os.waitpid(launched.pid, 0)
     for sock in launched.listeners:
         sock.close()
+    launched.close_capture()
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
