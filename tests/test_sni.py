@@ -16,7 +16,7 @@ from egressbox.decide import Decision
 from egressbox.errors import PolicyError, Reason, Verdict
 from egressbox.policy import Mode, Policy, TlsNameCheck, parse_policy
 from egressbox.protocols.tls import ClientHello, Malformed, TlsError
-from egressbox.sni import checks_names, name_check
+from egressbox.sni import checks_names, host_check, name_check
 
 POLICY = parse_policy(
     {
@@ -178,3 +178,35 @@ def test_check_warns_when_the_check_is_off(
     path.write_text('[egress]\nallow = ["pypi.org:443"]\ntls_name_check = "of"\n')
     assert main(["check", str(path)]) == 2
     assert "egress.tls_name_check: must be" in capsys.readouterr().out
+
+
+# -- the Host header of a captured plain-HTTP connection ------------------------------------
+
+
+def _admitted(host: str, port: int = 80) -> Decision:
+    from egressbox.decide import parse_target
+
+    target = parse_target(host, port)
+    return Decision(Verdict.ALLOW, Reason.ALLOWED, target.host.text, port, (), None, "")
+
+
+@pytest.mark.parametrize(
+    ("head", "passes"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: origin.test\r\n\r\n", True),
+        (b"GET / HTTP/1.1\r\nhost: ORIGIN.test:80\r\n\r\n", True),
+        (b"GET / HTTP/1.0\r\n\r\n", True),  # no Host: the origin's default, the same address
+        (b"GET / HTTP/1.1\r\nHost: other.example\r\n\r\n", False),
+        (b"GET / HTTP/1.1\r\nHost: origin.test\r\nHost: other.example\r\n\r\n", False),
+        (b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n", False),
+        (b"GET / HTTP/1.1\r\nHost: origin.test\r\n", False),  # never ends within the bound
+    ],
+)
+def test_a_captured_requests_host_must_be_the_name_it_was_decided_for(
+    head: bytes, passes: bool
+) -> None:
+    policy = parse_policy({"egress": {"allow": ["origin.test"]}}, env={})
+    refusal = host_check(policy, _admitted("origin.test"), head)
+    assert (refusal is None) is passes
+    if refusal is not None:
+        assert refusal.reason.value == "host_mismatch" and not refusal.allowed

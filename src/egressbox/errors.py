@@ -36,6 +36,9 @@ class Reason(StrEnum):
     # A tunnel's TLS ClientHello names another host than its target (or cannot
     # be read): the tunnel is closed before any byte goes upstream.
     SNI_MISMATCH = "sni_mismatch"
+    # A captured plain-HTTP connection's Host header names another host than the name it
+    # was decided for: closed before any byte goes upstream.
+    HOST_MISMATCH = "host_mismatch"
     # Replies and logs only: the audit sink failed, so nothing is admitted
     # (and no record can say so).
     AUDIT_UNAVAILABLE = "audit_unavailable"

@@ -41,7 +41,7 @@ from typing import Protocol
 
 from egressbox.decide import Decision, NamePass, Target, decide_name, parse_target
 from egressbox.errors import AuditError, HostError, Reason, Verdict
-from egressbox.hosts import format_authority
+from egressbox.hosts import format_authority, split_authority
 from egressbox.policy import Mode, Policy, TlsNameCheck
 from egressbox.protocols.tls import (
     ClientHello,
@@ -106,6 +106,46 @@ def _other_name(policy: Policy, sni: Target, target: Target, ech_offered: bool) 
     return f"the ClientHello names {sni.host.text}{ech}, not {target.host.text}"
 
 
+# The first request head of a captured plain-HTTP connection is read this far for its Host.
+MAX_HTTP_HEAD = 16 * 1024
+_HTTP_START = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def host_check(policy: Policy, admitted: Decision, head: bytes) -> Decision | None:
+    """The host_mismatch decision for the first request head of a captured connection that
+    `admitted` opened (None: it may go upstream). A head without Host (HTTP/1.0) passes."""
+    why = _host_mismatch(policy, admitted, head)
+    if why is None:
+        return None
+    verdict = Verdict.WOULD_DENY if policy.mode is Mode.REPORT else Verdict.DENY
+    return Decision(
+        verdict, Reason.HOST_MISMATCH, admitted.host, admitted.port, admitted.addresses, None, why
+    )
+
+
+def _host_mismatch(policy: Policy, admitted: Decision, head: bytes) -> str | None:
+    if b"\r\n\r\n" not in head:
+        return f"no complete request head within {MAX_HTTP_HEAD} bytes"
+    hosts = [
+        line.split(b":", 1)[1].strip()
+        for line in head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]
+        if line[:5].lower() == b"host:"
+    ]
+    if not hosts:
+        return None
+    if len(hosts) > 1:
+        return "more than one Host header"
+    try:
+        value = hosts[0].decode("ascii")
+        host, _port = split_authority(value)
+        named = parse_target(host, admitted.port)
+        target = parse_target(admitted.host, admitted.port)
+    except (HostError, UnicodeDecodeError):
+        return "the Host header is not a valid host"
+    why = _other_name(policy, named, target, False)
+    return why.replace("the ClientHello names", "the Host header names") if why else None
+
+
 class Owner(Protocol):
     """What FirstBytes needs of the connection that opened the tunnel (server.Connection)."""
 
@@ -131,10 +171,12 @@ class FirstBytes(asyncio.Protocol):
     """A tunnel's client transport from its reply until its first bytes are judged."""
 
     __slots__ = (
+        "check_host",
         "chunks",
         "client",
         "decision",
         "done",
+        "http",
         "log",
         "owner",
         "policy",
@@ -158,8 +200,13 @@ class FirstBytes(asyncio.Protocol):
         loop: asyncio.AbstractEventLoop,
         protocol: str,
         log: Callable[[str], None] | None,
+        check_host: bool = False,
     ) -> None:
-        """`log` takes the diagnostic lines (None: none wanted); `protocol` starts them."""
+        """`log` takes the diagnostic lines (None: none wanted); `protocol` starts them.
+        `check_host`: a plain-HTTP first request must name the target in its Host header
+        (a captured connection, whose target is the name the child looked up)."""
+        self.check_host = check_host
+        self.http: bytearray | None = None  # the first request head, while it is read
         self.owner = owner
         self.protocol = protocol
         self.log = log
@@ -215,9 +262,16 @@ class FirstBytes(asyncio.Protocol):
 
     def _judge(self, data: bytes) -> None:
         self.chunks.append(data)
+        if self.http is not None:
+            self._judge_http(data)
+            return
         reader = self.reader
         if reader is None:
             if not may_be_tls(data[0]):
+                if self.check_host and data[0] in _HTTP_START:
+                    self.http = bytearray()
+                    self._judge_http(data)
+                    return
                 self._pass()  # the fast path: not TLS
                 return
             reader = self.reader = ClientHelloReader()
@@ -227,7 +281,17 @@ class FirstBytes(asyncio.Protocol):
         if isinstance(result, NotTls):
             self._pass()
             return
-        refusal = name_check(self.policy, self.decision, result)
+        self._verdict(name_check(self.policy, self.decision, result), result)
+
+    def _judge_http(self, data: bytes) -> None:
+        assert self.http is not None
+        self.http += data
+        if b"\r\n\r\n" not in self.http and len(self.http) < MAX_HTTP_HEAD:
+            return
+        self._verdict(host_check(self.policy, self.decision, bytes(self.http)), None)
+
+    def _verdict(self, refusal: Decision | None, result: object) -> None:
+        """Pass, or record the refusal (before anything else) and close."""
         if refusal is None:
             self._pass()
             return
@@ -265,9 +329,10 @@ class FirstBytes(asyncio.Protocol):
         self._note(refusal)
         self.upstream.abort()
         self.chunks = []
-        alert = DECODE_ERROR_ALERT if unreadable else UNRECOGNIZED_NAME_ALERT
-        with contextlib.suppress(OSError, RuntimeError):  # the client may be gone already
-            self.client.write(alert)
+        if self.http is None:  # a TLS client: say why in its own words
+            alert = DECODE_ERROR_ALERT if unreadable else UNRECOGNIZED_NAME_ALERT
+            with contextlib.suppress(OSError, RuntimeError):  # the client may be gone already
+                self.client.write(alert)
         self.client.close()
 
     def _timed_out(self) -> None:

@@ -276,3 +276,17 @@ def test_plain_ssh_and_git_over_ssh_to_an_allowed_name(box: Box, sshd: Sshd) -> 
     assert "over-capture" in done.stdout, done.stdout + done.stderr
     assert "over ssh" in done.stdout, done.stdout + done.stderr
     assert ("tcp", "ssh.ok.test", sshd.port, "allow", "allowed") in box.records()
+
+
+def test_a_plain_request_whose_host_names_another_site_is_refused(
+    box: Box, origin: _Origin
+) -> None:
+    """Fronting in plain HTTP: connect to an allowed name, ask the origin for another."""
+    code = (
+        'import socket; s = socket.create_connection((\\"www.ok.test\\", PORT), timeout=10); '
+        's.sendall(b\\"GET /fronted HTTP/1.1\\\\r\\\\nHost: evil.example\\\\r\\\\n\\\\r\\\\n\\"); '
+        "print(repr(s.recv(100)))"
+    ).replace("PORT", str(box.port))
+    done = box.run(f'python3 -c "{code}"')
+    assert "/fronted" not in origin.paths, done.stdout + done.stderr
+    assert ("tcp", "www.ok.test", box.port, "deny", "host_mismatch") in box.records()

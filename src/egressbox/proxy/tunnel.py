@@ -222,6 +222,9 @@ class Connection(asyncio.Protocol):
                 loop=state.event_loop(),
                 protocol=str(self.protocol_name),
                 log=state.diagnostic if state.log is not None else None,
+                # A captured connection's target is the name the child looked up: a plain
+                # HTTP request on it must name that host too.
+                check_host=self.protocol_name is AuditProtocol.TCP,
             )
             self.first.start(self.established(upstream), to_upstream)
             return
