@@ -108,7 +108,18 @@ def _other_name(policy: Policy, sni: Target, target: Target, ech_offered: bool) 
 
 # The first request head of a captured plain-HTTP connection is read this far for its Host.
 MAX_HTTP_HEAD = 16 * 1024
-_HTTP_START = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+# A request line starts with its method and a space (an SSH banner, SMTP's EHLO after the
+# server's greeting and the like do not).
+_HTTP_METHODS = (
+    b"GET ",
+    b"HEAD ",
+    b"POST ",
+    b"PUT ",
+    b"DELETE ",
+    b"OPTIONS ",
+    b"PATCH ",
+    b"TRACE ",
+)
 
 
 def host_check(policy: Policy, admitted: Decision, head: bytes) -> Decision | None:
@@ -268,7 +279,7 @@ class FirstBytes(asyncio.Protocol):
         reader = self.reader
         if reader is None:
             if not may_be_tls(data[0]):
-                if self.check_host and data[0] in _HTTP_START:
+                if self.check_host and data.startswith(_HTTP_METHODS):
                     self.http = bytearray()
                     self._judge_http(data)
                     return
