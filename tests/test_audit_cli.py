@@ -693,10 +693,14 @@ def test_summary_table_on_a_terminal(tmp_path: Path) -> None:
     ]
 
 
-def test_progress_bar_only_on_a_terminal_stderr(tmp_path: Path) -> None:
+def test_progress_bar_only_on_a_terminal_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(audit_cli, "PROGRESS_DELAY", 0.0)  # as if reading took long
     path = write_log(tmp_path / "audit.jsonl", numbered(20_000))
     _, out, err = run_cli([str(path), "--summary"], err_tty=True)
     assert "100%" in err and err.startswith("\r[") and err.endswith("\r\x1b[K")
+    assert err.count("\r\x1b[K") == 1
     assert len(out.splitlines()) == 20_000
     _, _, err = run_cli([str(path), "--summary"])
     assert err == ""
@@ -706,8 +710,8 @@ def test_progress_bar_only_on_a_terminal_stderr(tmp_path: Path) -> None:
 
 def test_progress_bar_drawing() -> None:
     out = io.StringIO()
-    ticks = iter([0.0, 0.05, 0.2])
-    bar = audit_cli.ProgressBar(4 * 1024 * 1024, out, clock=lambda: next(ticks))
+    ticks = iter([0.0, 0.0, 0.05, 0.2])  # made, then three updates
+    bar = audit_cli.ProgressBar(4 * 1024 * 1024, out, clock=lambda: next(ticks), delay=0)
     bar.update(1024 * 1024)
     bar.update(2 * 1024 * 1024)  # throttled
     bar.update(4 * 1024 * 1024)
@@ -719,20 +723,49 @@ def test_progress_bar_drawing() -> None:
     )
 
 
+def test_progress_bar_waits_before_drawing_anything() -> None:
+    out = io.StringIO()
+    now = [0.0]
+    bar = audit_cli.ProgressBar(1000, out, clock=lambda: now[0], delay=1.5)
+    for position, moment in ((400, 0.2), (1000, 1.4)):
+        now[0] = moment
+        bar.update(position)
+    bar.file_done(1000)
+    bar.clear()
+    assert out.getvalue() == ""  # done within the delay: no bar, nothing to clear
+    now[0] = 2.0
+    bar.update(500)
+    bar.clear()
+    bar.clear()
+    assert out.getvalue().startswith("\r[") and out.getvalue().count("\r\x1b[K") == 1
+
+
+def test_a_small_summary_on_a_terminal_draws_no_bar(tmp_path: Path) -> None:
+    path = write_log(tmp_path / "audit.jsonl", MIXED * 2)  # about 1.4 KB
+    assert path.stat().st_size < 2048
+    code, out, err = run_cli([str(path), "--summary"], tty=True, err_tty=True)
+    assert (code, err) == (0, "")
+    assert out.startswith("HOST:PORT")
+
+
 def test_suggest_policy_to_a_file_passes_check(tmp_path: Path) -> None:
     path = write_log(tmp_path / "audit.jsonl", MIXED)
     target = tmp_path / "policy.toml"
-    code, out, _ = run_cli(["--suggest-policy", str(path), "--output", str(target)])
+    code, out, err = run_cli(["--suggest-policy", str(path), "--output", str(target)])
     assert (code, out) == (0, "")
+    assert err == (
+        f"egressbox: wrote a policy admitting 2 destinations to {target} (2 commented out); "
+        f"check it with egressbox check {target}\n"
+    )
     policy = load_policy(str(target), env={})
     assert sorted(rule.text for rule in policy.allow.rules) == [
         "cdn.example.com:80",
-        "evil.test:443",
         "pypi.org:443",
     ]
     text = target.read_text()
     assert f"# Sources: {path}" in text
-    assert '# "10.0.0.1:5432",' in text
+    assert '    # "10.0.0.1:5432",  # denied in the log: private_address' in text
+    assert '    # "evil.test:443",  # denied in the log: no_allow_rule' in text
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("policy")] == ["policy.toml"]
 
 
@@ -760,6 +793,64 @@ def test_suggest_policy_honours_filters_and_base(tmp_path: Path) -> None:
     bad.write_text("[egress]\nallow = 3\n")
     code, _, err = run_cli(["--suggest-policy", str(path), "--base-policy", str(bad)])
     assert code == 2 and "egress.allow" in err
+
+
+def test_suggest_policy_from_enforce_and_dns_records_on_the_command_line(tmp_path: Path) -> None:
+    records = [
+        rec("pypi.org", 443),
+        rec("pypi.org", 0, protocol=AuditProtocol.DNS),
+        rec("example.com", 80, Verdict.DENY, Reason.NO_ALLOW_RULE, AuditProtocol.HTTP),
+        rec("127.0.0.1", 22, Verdict.DENY, Reason.NO_ALLOW_RULE, AuditProtocol.TCP),
+        rec("127.0.0.1", 8080, Verdict.DENY, Reason.SELF_CONNECTION),
+        rec("asked.test", 0, protocol=AuditProtocol.DNS),
+    ]
+    path = write_log(tmp_path / "audit.jsonl", records)
+    base = tmp_path / "base.toml"
+    base.write_text('[egress]\nallow_cidrs = ["127.0.0.0/8"]\n')
+    target = tmp_path / "learned.toml"
+    argv = ["--suggest-policy", str(path), "--base-policy", str(base), "-o", str(target)]
+    code, _, err = run_cli(argv)
+    assert code == 0
+    assert "admitting 1 destination to" in err and "(4 commented out)" in err
+    policy = load_policy(str(target), env={})
+    assert [rule.text for rule in policy.allow.rules] == ["pypi.org:443"]
+    text = target.read_text()
+    assert '    # "example.com:80",  # denied in the log: no_allow_rule' in text
+    assert '    # "127.0.0.1:8080",  # denied in the log: self_connection' in text
+    assert "#   asked.test: allow" in text
+
+
+def test_an_output_path_with_a_space_is_quoted_in_the_check_hint(tmp_path: Path) -> None:
+    path = write_log(tmp_path / "audit.jsonl", MIXED[:1])
+    target = tmp_path / "my policy.toml"
+    code, _, err = run_cli(["--suggest-policy", str(path), "-o", str(target)])
+    assert code == 0
+    assert err.endswith(f"check it with egressbox check '{target}'\n")
+
+
+def test_an_empty_result_says_so_on_stderr(tmp_path: Path) -> None:
+    path = write_log(tmp_path / "audit.jsonl", MIXED)
+    argv = [str(path), "--decision", "deny", "--host", "*.nowhere.test", "--since", "2026-11-30"]
+    expected = (
+        "egressbox: no record matches --decision deny --host '*.nowhere.test' "
+        f"--since 2026-11-30T00:00:00.000Z (6 records read from {path})\n"
+    )
+    for extra, tty in (([], True), ([], False), (["--json"], True), (["--summary"], True)):
+        code, out, err = run_cli([*argv, *extra], tty=tty)
+        assert (code, out, err) == (0, "", expected), extra
+
+
+def test_an_empty_log_says_no_record_was_found(tmp_path: Path) -> None:
+    empty = write_log(tmp_path / "empty.jsonl", [])
+    other = write_log(tmp_path / "other.jsonl", [], extra="not json\n")
+    code, out, err = run_cli([str(empty), str(other), "--summary"], tty=True)
+    assert (code, out) == (0, "")
+    assert err.splitlines()[-1] == (
+        f"egressbox: no record found (0 records read from {empty}, {other})"
+    )
+    code, out, err = run_cli([str(tmp_path / "missing.jsonl")])
+    assert (code, out) == (1, "")
+    assert "no record" not in err  # the unreadable file was said, nothing else to add
 
 
 def load_policy_text(tmp_path: Path, text: str) -> Policy:

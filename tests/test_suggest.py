@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from egressbox.audit import AuditProtocol, AuditRecord, summarize
+from egressbox.audit import AuditProtocol, AuditRecord
 from egressbox.cli import main as cli_main
 from egressbox.decide import NamePass, decide_name, parse_target
 from egressbox.errors import Reason, Verdict
@@ -38,11 +38,20 @@ NO_RULE = (Verdict.DENY, Reason.NO_ALLOW_RULE)
 
 
 def rec(
-    host: str, port: int, outcome: tuple[Verdict, Reason] = WOULD, seconds: int = 0
+    host: str,
+    port: int,
+    outcome: tuple[Verdict, Reason] = WOULD,
+    seconds: int = 0,
+    protocol: AuditProtocol = AuditProtocol.CONNECT,
 ) -> AuditRecord:
     verdict, reason = outcome
     ts = T0 + timedelta(seconds=seconds)
-    return AuditRecord(ts, AuditProtocol.CONNECT, host, port, verdict, reason)
+    return AuditRecord(ts, protocol, host, port, verdict, reason)
+
+
+def lookup(name: str, outcome: tuple[Verdict, Reason] = ALLOWED) -> AuditRecord:
+    """A dns record: a name question, port 0."""
+    return rec(name, 0, outcome, protocol=AuditProtocol.DNS)
 
 
 def denied(host: str, port: int, reason: Reason) -> AuditRecord:
@@ -50,7 +59,7 @@ def denied(host: str, port: int, reason: Reason) -> AuditRecord:
 
 
 def suggest(records: Iterable[AuditRecord], **kwargs: object) -> str:
-    return suggest_policy(summarize(records), **kwargs)  # type: ignore[arg-type]
+    return suggest_policy(records, **kwargs)  # type: ignore[arg-type]
 
 
 def load(text: str) -> Policy:
@@ -110,7 +119,7 @@ def test_with_mode_back_to_enforce_drops_the_report_warning() -> None:
 # --------------------------------------------------------------------------- what is admitted
 
 
-def test_exact_names_with_their_ports_from_every_admitting_outcome() -> None:
+def test_exact_names_with_their_ports_from_allow_and_would_deny_only() -> None:
     text = suggest(
         [
             rec("pypi.org", 443, ALLOWED),
@@ -121,13 +130,14 @@ def test_exact_names_with_their_ports_from_every_admitting_outcome() -> None:
     )
     assert sorted(allow_texts(text)) == [
         "files.pythonhosted.org:443",
-        "github.com:22",
         "github.com:443",
         "pypi.org:443",
     ]
+    assert '    # "github.com:22",  # denied in the log: no_allow_rule' in text
     policy = load(text)
     assert policy.mode is Mode.ENFORCE
-    assert admits(policy, "github.com", 22)
+    assert admits(policy, "github.com", 443)
+    assert not admits(policy, "github.com", 22)
     assert not admits(policy, "github.com", 80)
     assert not admits(policy, "www.pypi.org", 443)
 
@@ -205,7 +215,7 @@ def test_refused_addresses_appear_commented_out_with_a_warning(reason: Reason, p
     text = suggest([denied("db.corp.test", 5432, reason), rec("pypi.org", 443)])
     assert allow_texts(text) == ["pypi.org:443"]
     lines = text.splitlines()
-    entry = lines.index('    # "db.corp.test:5432",')
+    entry = lines.index(f'    # "db.corp.test:5432",  # denied in the log: {reason.value}')
     warning = next(i for i, line in enumerate(lines) if "# WARNING: db.corp.test:5432" in line)
     assert warning < entry
     block = " ".join(line.strip("# ") for line in lines[warning:entry])
@@ -218,7 +228,7 @@ def test_private_or_special_ip_literals_seen_allowed_are_still_withheld(address:
     text = suggest([rec(address, 8080), rec(address, 8081, ALLOWED)])
     assert allow_texts(text) == []
     assert "# WARNING:" in text
-    plan = plan_suggestion(summarize([rec(address, 8080)]))
+    plan = plan_suggestion([rec(address, 8080)])
     assert next(w.reason for w in plan.withheld) in (
         Reason.PRIVATE_ADDRESS,
         Reason.SPECIAL_ADDRESS,
@@ -240,15 +250,19 @@ def test_metadata_ip_literals_seen_allowed_are_withheld_whatever_the_base(addres
         text = suggest([rec(address, 80, ALLOWED)], **kwargs)
         assert allow_texts(text) == []
         assert "metadata_address" in text and "# WARNING:" in text
-    plan = plan_suggestion(summarize([rec(address, 80, ALLOWED)]), base=base)
+    plan = plan_suggestion([rec(address, 80, ALLOWED)], base=base)
     assert [w.reason for w in plan.withheld] == [Reason.METADATA_ADDRESS]
 
 
-def test_private_ip_literal_admitted_when_the_base_policy_grants_it() -> None:
+def test_private_ip_literal_stays_commented_even_when_the_base_policy_grants_it() -> None:
     base = parse_policy({"egress": {"allow_cidrs": ["10.0.0.0/24"]}}, env={}, source="base.toml")
     text = suggest([rec("10.0.0.5", 5432), rec("10.0.1.5", 5432)], base=base)
-    assert allow_texts(text) == ["10.0.0.5:5432"]
-    assert '# "10.0.1.5:5432",' in text
+    assert allow_texts(text) == []
+    assert '    # "10.0.0.5:5432",  # 1 connection let through in the log' in text
+    assert '    # "10.0.1.5:5432",  # 1 connection let through in the log' in text
+    flat = " ".join(line.strip("# ") for line in text.splitlines())
+    assert "allow_cidrs entry 10.0.0.0/24 (kept below) covers it: uncommenting is enough" in flat
+    assert flat.count("uncommenting is enough") == 1  # 10.0.1.5 is outside the grant
     assert load(text).allow_cidrs == (ipaddress.ip_network("10.0.0.0/24"),)
 
 
@@ -333,6 +347,16 @@ def test_no_records_gives_a_valid_deny_everything_policy() -> None:
     assert load(text).allow.rules == ()
 
 
+def checked(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """Run `egressbox check` on the text; its stdout (the test fails unless it is ok)."""
+    path = tmp_path / "suggested.toml"
+    path.write_text(text)
+    assert cli_main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: ok (" in out
+    return out
+
+
 def test_egressbox_check_accepts_the_output(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -378,3 +402,181 @@ def test_suggestion_parses_and_admits_every_observed_destination(
     # An unseen port is never admitted for a seen name.
     for host, _ in observed:
         assert not admits(policy, host, 9)
+
+
+# --------------------------------------------------------------------------- learning from logs
+
+
+def test_learning_from_an_enforce_mode_log_admits_only_what_was_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = [
+        rec("pypi.org", 443, ALLOWED),
+        rec("pypi.org", 443, ALLOWED),
+        rec("example.com", 80, NO_RULE),
+        rec("example.com", 80, NO_RULE),
+        rec("tracker.test", 443, NO_RULE, protocol=AuditProtocol.HTTP),
+        denied("evil.test", 443, Reason.DENY_RULE),
+        denied("nx.test", 443, Reason.DNS_FAILURE),
+        denied("intranet.test", 80, Reason.PRIVATE_ADDRESS),
+        rec("93.184.216.34", 8080, NO_RULE, protocol=AuditProtocol.SOCKS5),
+    ]
+    text = suggest(records)
+    assert allow_texts(text) == ["pypi.org:443"]
+    assert '    # "example.com:80",  # denied in the log: no_allow_rule x2' in text
+    assert '    # "tracker.test:443",  # denied in the log: no_allow_rule' in text
+    assert '    # "93.184.216.34:8080",  # denied in the log: no_allow_rule' in text
+    assert '    # "intranet.test:80",  # denied in the log: private_address' in text
+    assert "#   evil.test:443: deny_rule x1" in text and "#   nx.test:443: dns_failure x1" in text
+    policy = load(text)
+    for host, port in (("example.com", 80), ("tracker.test", 443), ("evil.test", 443)):
+        assert not admits(policy, host, port)
+    assert "(1 allow, 0 deny, 0 allow_cidrs, 2 deny_cidrs; mode enforce)" in checked(
+        tmp_path, text, capsys
+    )
+
+
+def test_a_destination_both_allowed_and_denied_is_admitted_with_a_note() -> None:
+    # Logs of an enforcing run and a later one with the entry, read together.
+    text = suggest([rec("api.test", 443, NO_RULE), rec("api.test", 443, ALLOWED)])
+    assert allow_texts(text) == ["api.test:443"]
+    assert '"api.test:443",  # 1 connection' in text
+    assert "# NOTE: api.test:443 was also denied in the log (no_allow_rule)" in text
+
+
+def test_learning_from_a_report_mode_log_admits_would_deny(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = [
+        rec("files.pythonhosted.org", 443, WOULD),
+        rec("pypi.org", 443, WOULD, protocol=AuditProtocol.TCP),  # captured: counts like connect
+        rec("github.com", 443, WOULD),
+        rec("github.com", 443, (Verdict.WOULD_DENY, Reason.SNI_MISMATCH)),
+        denied("nx.test", 443, Reason.DNS_FAILURE),
+    ]
+    text = suggest(records)
+    assert allow_texts(text) == ["github.com:443", "pypi.org:443", "files.pythonhosted.org:443"]
+    assert '"github.com:443",  # 2 connections' in text
+    flat = " ".join(line.strip("# ") for line in text.splitlines())
+    assert "although sni_mismatch closes such a connection in enforce mode" in flat
+    assert "nx.test" not in " ".join(allow_texts(text))
+    assert "(3 allow, 0 deny" in checked(tmp_path, text, capsys)
+
+
+def test_base_policy_never_makes_denied_loopback_or_the_own_listener_an_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = parse_policy(
+        {"egress": {"allow_cidrs": ["127.0.0.0/8"], "allow_private": True}},
+        env={},
+        source="base.toml",
+    )
+    records = [
+        rec("127.0.0.1", 22, NO_RULE),
+        rec("127.0.0.1", 22, ALLOWED),
+        denied("127.0.0.1", 3128, Reason.SELF_CONNECTION),
+        rec("proxy.local.test", 3128, ALLOWED),
+        denied("proxy.local.test", 3128, Reason.SELF_CONNECTION),
+        rec("pypi.org", 443, ALLOWED),
+    ]
+    text = suggest(records, base=base)
+    assert allow_texts(text) == ["pypi.org:443"]
+    assert (
+        '    # "127.0.0.1:22",  # 1 connection let through in the log; denied in the log: '
+        "no_allow_rule" in text
+    )
+    assert '    # "127.0.0.1:3128",  # denied in the log: self_connection' in text
+    assert '    # "proxy.local.test:3128",  # 1 connection let through in the log; denied' in text
+    plan = plan_suggestion(records, base=base)
+    assert {(w.pattern, w.reason) for w in plan.withheld} == {
+        ("127.0.0.1:22", Reason.PRIVATE_ADDRESS),
+        ("127.0.0.1:3128", Reason.SELF_CONNECTION),
+        ("proxy.local.test:3128", Reason.SELF_CONNECTION),
+    }
+    policy = load(text)
+    assert not admits(policy, "127.0.0.1", 22) and not admits(policy, "127.0.0.1", 3128)
+    assert "(1 allow, 0 deny, 1 allow_cidrs, 2 deny_cidrs; mode enforce)" in checked(
+        tmp_path, text, capsys
+    )
+
+
+def test_dns_records_support_an_entry_or_stay_a_hint_never_a_port_0_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = [
+        rec("pypi.org", 443, ALLOWED),
+        lookup("pypi.org"),
+        lookup("pypi.org"),
+        lookup("only-asked.test"),
+        lookup("only-asked.test", WOULD),
+        lookup("refused.test", NO_RULE),
+        lookup("denied-too.test"),
+        rec("denied-too.test", 443, NO_RULE),
+    ]
+    text = suggest(records)
+    assert allow_texts(text) == ["pypi.org:443"]
+    assert '"pypi.org:443",  # 1 connection, 2 lookups' in text
+    assert not any(":0" in line for line in text.splitlines() if "(UTC)" not in line)
+    assert "#   only-asked.test: allow, would_deny no_allow_rule" in text
+    assert "#   refused.test: deny no_allow_rule" in text
+    assert "#   denied-too.test: allow" in text
+    assert '    # "denied-too.test:443",  # denied in the log: no_allow_rule' in text
+    plan = plan_suggestion(records)
+    assert [hint.name for hint in plan.lookups] == [
+        "denied-too.test",
+        "only-asked.test",
+        "refused.test",
+    ]
+    assert plan.records == len(records) and plan.commented == 4
+    policy = load(text)
+    assert not admits(policy, "only-asked.test", 443)
+    assert not admits(policy, "only-asked.test", 80)
+    checked(tmp_path, text, capsys)
+
+
+def test_dns_lookups_count_on_the_wildcard_that_admits_the_names() -> None:
+    names = [f"s{i}.cdn.test" for i in range(3)]
+    text = suggest([rec(name, 443) for name in names] + [lookup(name) for name in names])
+    assert '"*.cdn.test:443",  # 3 connections, 3 lookups' in text
+    assert "Names only asked" not in text
+
+
+_verdict_reason = st.sampled_from(
+    [
+        ALLOWED,
+        WOULD,
+        NO_RULE,
+        (Verdict.WOULD_DENY, Reason.SNI_MISMATCH),
+        (Verdict.DENY, Reason.DNS_FAILURE),
+        (Verdict.DENY, Reason.PRIVATE_ADDRESS),
+        (Verdict.DENY, Reason.SELF_CONNECTION),
+        (Verdict.DENY, Reason.DENY_RULE),
+    ]
+)
+_host = st.one_of(_name, st.sampled_from(["10.0.0.5", "127.0.0.1", "93.184.216.34", "::1"]))
+_logged = st.lists(
+    st.tuples(_host, _port, _verdict_reason, st.sampled_from(list(AuditProtocol))), max_size=25
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_logged)
+def test_every_entry_is_backed_by_a_let_through_record_with_a_port(
+    logged: list[tuple[str, int, tuple[Verdict, Reason], AuditProtocol]],
+) -> None:
+    records = [
+        rec(host, 0 if protocol is AuditProtocol.DNS else port, outcome, protocol=protocol)
+        for host, port, outcome, protocol in logged
+    ]
+    policy = load(suggest(records))
+    backed = {
+        (r.host, r.port)
+        for r in records
+        if r.protocol is not AuditProtocol.DNS and r.decision is not Verdict.DENY
+    }
+    refused_self = {(r.host, r.port) for r in records if r.reason is Reason.SELF_CONNECTION}
+    for host, port, _, _ in logged:  # a dns record's name on the port drawn with it too
+        if admits(policy, host, port):
+            assert (host, port) in backed and (host, port) not in refused_self
+            assert host not in ("10.0.0.5", "127.0.0.1", "::1")  # private: never an entry
+    assert all(rule.port for rule in policy.allow.rules)

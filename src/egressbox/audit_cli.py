@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,9 +56,13 @@ STDIN = "-"
 # Malformed lines reported one by one on stderr; the rest are only counted, so that a
 # file that is not an audit log at all cannot flood the terminal.
 MAX_REPORTED_MALFORMED = 20
-# Progress bar: redrawn at most this often (seconds), this many cells wide.
+# Progress bar: first drawn only once reading has taken this long (seconds), so that a
+# small log never flashes one; then redrawn at most every PROGRESS_INTERVAL; this wide.
+PROGRESS_DELAY = 1.5
 PROGRESS_INTERVAL = 0.1
 PROGRESS_WIDTH = 30
+# Files named in the line saying that no record matched; the rest are counted.
+_SHOW_SOURCES = 3
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _RELATIVE = re.compile(r"(?:\d+[smhdw])+", re.ASCII)
@@ -188,7 +193,7 @@ def _add_outputs(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--suggest-policy",
         action="store_true",
-        help="write a TOML policy admitting exactly the destinations seen (review it!)",
+        help="write a TOML policy admitting what the log shows allowed or would_deny (review it!)",
     )
     g.add_argument(
         "--base-policy",
@@ -277,19 +282,31 @@ def expand_all(arguments: Sequence[str], *, rotated: bool = False) -> tuple[list
 
 
 class ProgressBar:
-    """``[#####.....]  45%  450.0 of 1000.0 MiB`` redrawn in place on a terminal."""
+    """``[#####.....]  45%  450.0 of 1000.0 MiB`` redrawn in place on a terminal.
 
-    def __init__(self, total: int, out: TextIO, clock: Callable[[], float] = time.monotonic):
+    Nothing is drawn before ``delay`` seconds have passed since the bar was made: work
+    that ends sooner shows no bar at all.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        out: TextIO,
+        clock: Callable[[], float] = time.monotonic,
+        delay: float = PROGRESS_DELAY,
+    ):
         self.total = max(total, 1)
         self.out = out
         self.clock = clock
         self.done_before = 0  # bytes of the files already finished
+        self.start = clock()
+        self.delay = delay
         self.last_draw = -PROGRESS_INTERVAL
         self.drawn = False
 
     def update(self, position: int) -> None:
         now = self.clock()
-        if now - self.last_draw < PROGRESS_INTERVAL:
+        if now - self.start < self.delay or now - self.last_draw < PROGRESS_INTERVAL:
             return
         self.last_draw = now
         self.draw(self.done_before + position)
@@ -306,12 +323,14 @@ class ProgressBar:
 
     def file_done(self, size: int) -> None:
         self.done_before += size
-        self.draw(self.done_before)
+        if self.drawn or self.clock() - self.start >= self.delay:
+            self.draw(self.done_before)
 
     def clear(self) -> None:
         if self.drawn:
             self.out.write("\r\x1b[K")
             self.out.flush()
+            self.drawn = False
 
 
 def _file_size(path: str) -> int:
@@ -332,6 +351,7 @@ class Reader:
     criteria: RecordFilter
     err: TextIO
     progress: ProgressBar | None = None
+    read: int = 0  # records read, matching or not
     malformed: int = 0
     failed: list[str] = field(default_factory=list)
 
@@ -366,6 +386,7 @@ class Reader:
         matches = self.criteria.matches
         for item in items:
             if isinstance(item, AuditRecord):
+                self.read += 1
                 if everything or matches(item):
                     yield item
             else:
@@ -412,11 +433,11 @@ def _cells(record: AuditRecord) -> tuple[str, ...]:
 
 
 def write_records(records: Iterable[AuditRecord], out: TextIO, *, table: bool, flush: bool) -> int:
-    """Print records (a table or JSON lines); returns how many."""
+    """Print records (a table or JSON lines); returns how many. No record, no header."""
     count = 0
-    if table:
-        out.write(_table_row(_COLUMNS) + "\n")
     for record in records:
+        if table and count == 0:
+            out.write(_table_row(_COLUMNS) + "\n")
         out.write((_table_row(_cells(record)) if table else record.to_json()) + "\n")
         count += 1
         if flush:
@@ -488,7 +509,7 @@ class Context:
         bar = None
         total = sum(_file_size(path) for path in files)
         if progress and total > 0 and _is_tty(self.err):
-            bar = ProgressBar(total, self.err)
+            bar = ProgressBar(total, self.err, delay=PROGRESS_DELAY)
         return Reader(files, record_filter(self.args), self.err, bar)
 
 
@@ -496,16 +517,58 @@ def _status(reader: Reader) -> int:
     return EXIT_RUNTIME if reader.failed else EXIT_OK
 
 
+def _filters_text(args: argparse.Namespace) -> str:
+    """The filters given, as they would be typed (times as UTC timestamps)."""
+    given = [
+        ("--decision", args.decision),
+        ("--host", args.host),
+        ("--port", args.port),
+        ("--protocol", args.protocol),
+        ("--reason", args.reason),
+        ("--since", args.since and format_ts(args.since)),
+        ("--until", args.until and format_ts(args.until)),
+    ]
+    return " ".join(
+        f"{flag} {shlex.quote(str(value))}" for flag, value in given if value is not None
+    )
+
+
+def _sources_text(files: Sequence[str]) -> str:
+    names = ["standard input" if path == STDIN else path for path in files]
+    shown = ", ".join(names[:_SHOW_SOURCES])
+    more = len(names) - _SHOW_SOURCES
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def say_no_match(ctx: Context, reader: Reader) -> None:
+    """One line on stderr for an empty result: what was read, and which filters."""
+    files = [path for path in reader.files if path not in reader.failed]
+    if not files:
+        return  # each file's failure was already said
+    filters = _filters_text(ctx.args)
+    what = f"no record matches {filters}" if filters else "no record found"
+    read = _plural(reader.read, "record")
+    print(f"egressbox: {what} ({read} read from {_sources_text(files)})", file=ctx.err)
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def cmd_list(ctx: Context, files: Sequence[str]) -> int:
     reader = ctx.reader(files, progress=False)
-    write_records(reader.records(), ctx.out, table=ctx.table, flush=False)
+    if write_records(reader.records(), ctx.out, table=ctx.table, flush=False) == 0:
+        say_no_match(ctx, reader)
     return _status(reader)
 
 
 def cmd_summary(ctx: Context, files: Sequence[str]) -> int:
     reader = ctx.reader(files, progress=True)
     rows = summarize(reader.records())
-    write_summary(rows, ctx.out, table=ctx.table)
+    if rows:
+        write_summary(rows, ctx.out, table=ctx.table)
+    else:
+        say_no_match(ctx, reader)
     return _status(reader)
 
 
@@ -518,7 +581,7 @@ def cmd_follow(ctx: Context, path: str) -> int:
 
 def cmd_suggest(ctx: Context, files: Sequence[str]) -> int:
     from egressbox.policy import load_policy
-    from egressbox.suggest import suggest_policy
+    from egressbox.suggest import plan_suggestion, render_policy
 
     base = None
     if ctx.args.base_policy:
@@ -528,11 +591,21 @@ def cmd_suggest(ctx: Context, files: Sequence[str]) -> int:
             print(f"egressbox audit: --base-policy: {exc}", file=ctx.err)
             return EXIT_USAGE
     reader = ctx.reader(files, progress=True)
-    text = suggest_policy(summarize(reader.records()), sources=files, base=base)
-    if ctx.args.output:
-        _write_file(ctx.args.output, text)
-    else:
+    plan = plan_suggestion(reader.records(), base=base)
+    if plan.records == 0:
+        say_no_match(ctx, reader)
+    text = render_policy(plan, sources=files, base=base)
+    path = ctx.args.output
+    if not path:
         ctx.out.write(text)
+        return _status(reader)
+    _write_file(path, text)
+    print(
+        f"egressbox: wrote a policy admitting {_plural(len(plan.allow), 'destination')} to "
+        f"{path} ({plan.commented} commented out); check it with egressbox check "
+        f"{shlex.quote(path)}",
+        file=ctx.err,
+    )
     return _status(reader)
 
 

@@ -1,19 +1,21 @@
-"""Suggest a policy from audit records: admit exactly what was observed, nothing more.
+"""Suggest a policy from audit records: admit what was let through, nothing more.
 
 The usual workflow: run a trusted program under report mode (``mode = "report"``), then
 ``egressbox audit --suggest-policy audit.jsonl > policy.toml``, review, and enforce.
 
-What is admitted: every host:port seen ``allow``, ``would_deny`` (report mode), or
-``deny`` for ``no_allow_rule`` (an enforcing policy that lacked the entry). Each entry
-carries its exact port. Names stay exact unless MIN_SIBLINGS or more distinct names
+What is admitted: every host:port whose records are ``allow`` or ``would_deny`` (report
+mode), with its exact port. Names stay exact unless MIN_SIBLINGS or more distinct names
 share a parent domain on one port (see ``_wildcards``). IP literals stay single addresses.
+Records of protocol ``tcp`` (captured connections) count like ``connect`` ones.
 
-What is never admitted silently: a destination refused for ``private_address``,
-``special_address``, ``metadata_address``, ``deny_cidr`` or ``self_connection``, and an IP
-literal in a private or special range or naming a cloud metadata endpoint. They appear
-commented out, under a ``# WARNING:`` line saying why and what to add if the destination
-is intended. Everything else that was refused (DNS failures, deny rules, bad hosts) is
-listed in a closing comment.
+What is never admitted: a destination whose records are all ``deny`` (whatever the
+reason); one refused as ``self_connection``; an IP literal in a private or special range
+or naming a cloud metadata endpoint (even when a base policy grants its range: the entry
+stays for a person to uncomment). Those appear commented out in the allow list with the
+reason, the address classes under a ``# WARNING:`` line saying what to add if intended.
+Refusals no allow entry changes (DNS failures, deny rules, bad hosts) are listed in a
+closing comment. A ``dns`` record (a name question, port 0) never becomes an entry: it is
+counted on an entry that admits the name with a port, or else listed as a hint.
 
 Pure: no file or network access; the output is checked by ``load_policy`` in the tests.
 """
@@ -24,8 +26,9 @@ import dataclasses
 import ipaddress
 import json
 import textwrap
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from egressbox.addresses import (
@@ -36,8 +39,8 @@ from egressbox.addresses import (
     lookup,
     reason_for,
 )
-from egressbox.audit import SummaryRow, format_ts
-from egressbox.errors import Reason
+from egressbox.audit import AuditProtocol, AuditRecord, format_ts
+from egressbox.errors import Reason, Verdict
 from egressbox.hosts import format_authority
 from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy
 from egressbox.rules import IPNetwork, PatternError, Rule, RuleKind, min_prefix, parse_pattern
@@ -47,6 +50,7 @@ __all__ = [
     "MIN_SIBLINGS",
     "Entry",
     "Ignored",
+    "Lookup",
     "Suggestion",
     "Withheld",
     "plan_suggestion",
@@ -79,7 +83,12 @@ _SHOW_COVERED = 5
 _SHOW_IGNORED = 50
 _COMMENT_WIDTH = 96  # the project's line length is 100
 
-_ADMITTED_BY = frozenset({Reason.ALLOWED, Reason.NO_ALLOW_RULE})
+# Denials an allow entry would have turned around: shown as commented-out entries.
+_ENTRY_REASONS = frozenset({Reason.NO_ALLOW_RULE, Reason.NO_POLICY})
+# Address classes an IP literal is withheld for, whatever the log says of it.
+_ADDRESS_CLASSES = frozenset(
+    {Reason.PRIVATE_ADDRESS, Reason.SPECIAL_ADDRESS, Reason.METADATA_ADDRESS}
+)
 
 # Why a refused destination is not admitted, and what to add if it is intended.
 _WARNINGS: Mapping[Reason, str] = {
@@ -138,15 +147,18 @@ class Entry:
     connections: int
     covers: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # warnings shown above an entry that is still admitted
+    lookups: int = 0  # dns records (allow or would_deny) for the names it admits
 
 
 @dataclass(frozen=True, slots=True)
 class Withheld:
-    """A destination shown commented out: refused, or in a private or special range."""
+    """A destination shown commented out: denied, or in a class that needs a grant."""
 
     pattern: str
-    reason: Reason
-    connections: int
+    reason: Reason  # why it is withheld: a _WARNINGS reason or an _ENTRY_REASONS one
+    let_through: int  # records allow or would_deny
+    denied: tuple[tuple[Reason, int], ...]  # deny records by reason
+    grant: str | None = None  # what in the base policy already covers the address
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +170,14 @@ class Ignored:
 
 
 @dataclass(frozen=True, slots=True)
+class Lookup:
+    """A name only asked of the DNS (no record with a port admits it): a hint."""
+
+    name: str
+    outcomes: tuple[tuple[Verdict, Reason, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Suggestion:
     allow: tuple[Entry, ...]
     withheld: tuple[Withheld, ...]
@@ -165,93 +185,164 @@ class Suggestion:
     records: int
     first_ts: datetime | None
     last_ts: datetime | None
+    lookups: tuple[Lookup, ...] = ()
+
+    @property
+    def commented(self) -> int:
+        """Destinations seen but not admitted (each is a commented line in the file)."""
+        return len(self.withheld) + len(self.ignored) + len(self.lookups)
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Counts by (decision, reason) for one destination, in first-seen order."""
+
+    outcomes: Counter[tuple[Verdict, Reason]] = field(default_factory=Counter)
+
+    @property
+    def let_through(self) -> int:
+        return sum(n for (verdict, _), n in self.outcomes.items() if verdict is not Verdict.DENY)
+
+    def reasons(self, verdict: Verdict) -> tuple[tuple[Reason, int], ...]:
+        counts: Counter[Reason] = Counter()
+        for (seen, reason), n in self.outcomes.items():
+            if seen is verdict:
+                counts[reason] += n
+        return tuple(counts.items())
+
+
+@dataclass(slots=True)
+class _Log:
+    """What the records showed: tallies per host:port, and per name asked of the DNS."""
+
+    destinations: dict[tuple[str, int], _Tally] = field(default_factory=dict)
+    lookups: dict[str, _Tally] = field(default_factory=dict)
+    records: int = 0
+    first_ts: datetime | None = None
+    last_ts: datetime | None = None
+
+    def add(self, record: AuditRecord) -> None:
+        self.records += 1
+        self.first_ts = record.ts if self.first_ts is None else min(self.first_ts, record.ts)
+        self.last_ts = record.ts if self.last_ts is None else max(self.last_ts, record.ts)
+        if record.protocol is AuditProtocol.DNS:  # a question: its port 0 is no port
+            tally = self.lookups.setdefault(record.host, _Tally())
+        else:
+            tally = self.destinations.setdefault((record.host, record.port), _Tally())
+        tally.outcomes[record.decision, record.reason] += 1
 
 
 @dataclass(frozen=True, slots=True)
 class _Seen:
     rule: Rule
-    row: SummaryRow
+    tally: _Tally
 
     @property
     def admitted(self) -> int:
-        return sum(n for reason, n in self.row.reasons.items() if reason in _ADMITTED_BY)
+        return self.tally.let_through
+
+    @property
+    def denied(self) -> tuple[tuple[Reason, int], ...]:
+        return self.tally.reasons(Verdict.DENY)
 
     @property
     def warned(self) -> tuple[tuple[Reason, int], ...]:
-        return tuple((r, n) for r, n in self.row.reasons.items() if r in _WARNINGS)
+        return tuple((r, n) for r, n in self.denied if r in _WARNINGS)
 
 
-def _destination(row: SummaryRow) -> Rule | None:
-    """The row's host:port as an exact name or IP rule, or None if it is not one."""
+def _destination(host: str, port: int) -> Rule | None:
+    """The host:port as an exact name or IP rule, or None if it is not one."""
     try:
-        rule = parse_pattern(format_authority(row.host, row.port))
+        rule = parse_pattern(format_authority(host, port))
     except PatternError:
         return None
     # A record's host is a normalized name or an IP; "*" or "*.x" in a crafted log must
-    # never turn into a wildcard entry.
-    return rule if rule.kind in (RuleKind.NAME, RuleKind.IP) else None
+    # never turn into a wildcard entry, and port 0 (a dns question's) is no port.
+    if rule.port is None or rule.kind not in (RuleKind.NAME, RuleKind.IP):
+        return None
+    return rule
 
 
 def plan_suggestion(
-    rows: Iterable[SummaryRow], *, base: Policy | None = None, min_siblings: int = MIN_SIBLINGS
+    records: Iterable[AuditRecord],
+    *,
+    base: Policy | None = None,
+    min_siblings: int = MIN_SIBLINGS,
 ) -> Suggestion:
-    """Decide entries from summarize() rows (bounded memory: one row per host:port)."""
-    admitted: list[_Seen] = []
-    withheld: list[Withheld] = []
-    ignored: list[Ignored] = []
-    records, first, last = 0, None, None
-    for row in rows:
-        records += row.total
-        first = row.first_ts if first is None else min(first, row.first_ts)
-        last = row.last_ts if last is None else max(last, row.last_ts)
-        _sort_row(row, base, admitted, withheld, ignored)
-    names = [seen for seen in admitted if seen.rule.kind is RuleKind.NAME]
-    ips = [seen for seen in admitted if seen.rule.kind is RuleKind.IP]
-    allow = _name_entries(names, min_siblings) + [_entry(seen) for seen in _ordered(ips)]
+    """Decide entries from audit records (bounded memory: one tally per destination)."""
+    log = _Log()
+    for record in records:
+        log.add(record)
+    sorting = _Sorted(base)
+    for (host, port), tally in log.destinations.items():
+        sorting.add(host, port, tally)
+    names = [seen for seen in sorting.admitted if seen.rule.kind is RuleKind.NAME]
+    ips = [seen for seen in sorting.admitted if seen.rule.kind is RuleKind.IP]
+    asked = {name: tally.let_through for name, tally in log.lookups.items()}
+    allow = _name_entries(names, min_siblings, asked) + [_entry(seen) for seen in _ordered(ips)]
     return Suggestion(
         allow=tuple(allow),
-        withheld=tuple(sorted(withheld, key=lambda w: w.pattern)),
-        ignored=tuple(sorted(ignored, key=lambda i: i.target)),
-        records=records,
-        first_ts=first,
-        last_ts=last,
+        withheld=tuple(sorted(sorting.withheld, key=lambda w: w.pattern)),
+        ignored=tuple(sorted(sorting.ignored, key=lambda i: i.target)),
+        records=log.records,
+        first_ts=log.first_ts,
+        last_ts=log.last_ts,
+        lookups=_hints(log.lookups, {seen.rule.value for seen in names}),
     )
 
 
-def _sort_row(
-    row: SummaryRow,
-    base: Policy | None,
-    admitted: list[_Seen],
-    withheld: list[Withheld],
-    ignored: list[Ignored],
-) -> None:
-    rule = _destination(row)
-    if rule is None:
-        ignored.append(Ignored(f"{row.host!r} port {row.port}: not a host:port", _reasons(row)))
-        return
-    seen = _Seen(rule, row)
-    concern = _address_concern(rule, base)
-    if seen.admitted and concern is not None:
-        withheld.append(Withheld(rule.text, concern, seen.admitted))
-    elif seen.admitted:
-        admitted.append(seen)  # any refusals become a note on the entry
-    elif seen.warned:
-        reason, count = seen.warned[0]
-        withheld.append(Withheld(rule.text, reason, count))
-    else:
-        ignored.append(Ignored(rule.text, _reasons(row)))
+@dataclass(slots=True)
+class _Sorted:
+    """Destinations sorted into admitted, withheld (commented out) and ignored."""
+
+    base: Policy | None
+    admitted: list[_Seen] = field(default_factory=list)
+    withheld: list[Withheld] = field(default_factory=list)
+    ignored: list[Ignored] = field(default_factory=list)
+
+    def add(self, host: str, port: int, tally: _Tally) -> None:
+        rule = _destination(host, port)
+        if rule is None:
+            target = f"{host!r} port {port}: not a host:port"
+            self.ignored.append(Ignored(target, _all_reasons(tally)))
+            return
+        seen = _Seen(rule, tally)
+        reason = _withheld_for(seen)
+        if reason is not None:
+            grant = _base_grant(rule, self.base) if reason in _ADDRESS_CLASSES else None
+            self.withheld.append(Withheld(rule.text, reason, seen.admitted, seen.denied, grant))
+        elif seen.admitted:
+            self.admitted.append(seen)  # any refusals become a note on the entry
+        else:
+            self.ignored.append(Ignored(rule.text, seen.denied))
 
 
-def _reasons(row: SummaryRow) -> tuple[tuple[Reason, int], ...]:
-    return tuple(row.reasons.items())
+def _withheld_for(seen: _Seen) -> Reason | None:
+    """Why the destination is shown commented out, or None (admitted, or ignored)."""
+    if any(reason is Reason.SELF_CONNECTION for reason, _ in seen.denied):
+        return Reason.SELF_CONNECTION  # the proxy's own listener: never an entry
+    concern = _address_concern(seen.rule)
+    if concern is not None:
+        return concern
+    if seen.admitted:
+        return None
+    if seen.warned:
+        return seen.warned[0][0]
+    return next((reason for reason, _ in seen.denied if reason in _ENTRY_REASONS), None)
 
 
-def _address_concern(rule: Rule, base: Policy | None) -> Reason | None:
-    """For an IP literal in a private or special range: the reason it needs a grant.
+def _all_reasons(tally: _Tally) -> tuple[tuple[Reason, int], ...]:
+    counts: Counter[Reason] = Counter()
+    for (_, reason), n in tally.outcomes.items():
+        counts[reason] += n
+    return tuple(counts.items())
 
-    None when it is routable, or when the base policy (carried over into the output)
-    grants it through allow_cidrs or allow_private. A cloud metadata endpoint is always a
-    concern: the suggested entry itself would be the one grant that admits it.
+
+def _address_concern(rule: Rule) -> Reason | None:
+    """For an IP literal in a private or special range or a metadata endpoint: which.
+
+    Whatever a base policy grants, such a literal is never admitted uncommented: a log
+    shows what a program did, and a learned entry must not open an internal address.
     """
     if rule.kind is not RuleKind.IP:
         return None
@@ -260,14 +351,36 @@ def _address_concern(rule: Rule, base: Policy | None) -> Reason | None:
         return Reason.METADATA_ADDRESS
     for addr in (ip, *(v4 for _, v4 in embedded_ipv4(ip))):
         category = lookup(addr).category
-        if is_routable(category):
-            continue
-        if base is not None and (
-            base.allow_cidr_for(ip) is not None or (base.allow_private and category in PRIVATE_LIKE)
-        ):
-            continue
-        return reason_for(category)
+        if not is_routable(category):
+            return reason_for(category)
     return None
+
+
+def _base_grant(rule: Rule, base: Policy | None) -> str | None:
+    """What of the base policy (kept in the output) admits the literal's address, if any."""
+    if base is None or rule.kind is not RuleKind.IP:
+        return None
+    ip = ipaddress.ip_address(rule.value)
+    if is_metadata(ip):  # only an exact allow entry admits a metadata endpoint
+        return None
+    net = base.allow_cidr_for(ip)
+    if net is not None:
+        return f"the base policy's allow_cidrs entry {net} (kept below) covers it"
+    categories = [lookup(a).category for a in (ip, *(v4 for _, v4 in embedded_ipv4(ip)))]
+    private = [c for c in categories if not is_routable(c)]
+    if base.allow_private and all(c in PRIVATE_LIKE for c in private):
+        return "allow_private = true, kept from the base policy, covers it"
+    return None
+
+
+def _hints(lookups: Mapping[str, _Tally], admitted: set[str]) -> tuple[Lookup, ...]:
+    """Names asked of the DNS that no admitted entry names: hints, never entries."""
+    hints = [
+        Lookup(name, tuple((v, r, n) for (v, r), n in tally.outcomes.items()))
+        for name, tally in lookups.items()
+        if name not in admitted
+    ]
+    return tuple(sorted(hints, key=lambda hint: hint.name))
 
 
 def _labels_key(seen: _Seen) -> tuple[tuple[str, ...], int]:
@@ -279,14 +392,33 @@ def _ordered(seen: Iterable[_Seen]) -> list[_Seen]:
     return sorted(seen, key=_labels_key)
 
 
-def _entry(seen: _Seen) -> Entry:
-    notes = tuple(
-        f"{seen.rule.text} was also refused {_plural(count, 'time')} for {reason.value}: "
+def _notes(seen: _Seen) -> tuple[str, ...]:
+    """Warnings for an admitted destination that the log also shows refused."""
+    target = seen.rule.text
+    notes = [
+        f"{target} was also refused {_plural(count, 'time')} for {reason.value}: "
         "some of its answers pointed where this entry does not reach (a changing answer "
         "can be DNS rebinding); those stay denied."
         for reason, count in seen.warned
-    )
-    return Entry(seen.rule.text, seen.admitted, notes=notes)
+    ]
+    other = [(r, n) for r, n in seen.denied if r not in _WARNINGS]
+    if other:
+        notes.append(
+            f"{target} was also denied in the log ({_counts(other)}); the entry is here for "
+            "the connections that were let through."
+        )
+    late = [(r, n) for r, n in seen.tally.reasons(Verdict.WOULD_DENY) if r not in _ENTRY_REASONS]
+    if late:
+        notes.append(
+            f"{target} was let through in report mode although {_counts(late)} closes such "
+            "a connection in enforce mode, entry or not."
+        )
+    return tuple(notes)
+
+
+def _entry(seen: _Seen, asked: Mapping[str, int] | None = None) -> Entry:
+    lookups = (asked or {}).get(seen.rule.value, 0) if seen.rule.kind is RuleKind.NAME else 0
+    return Entry(seen.rule.text, seen.admitted, notes=_notes(seen), lookups=lookups)
 
 
 def _parent(name: str) -> str | None:
@@ -330,7 +462,9 @@ def _covering(name: str, port: int, wildcards: set[tuple[str, int]]) -> str | No
     return found
 
 
-def _name_entries(names: Sequence[_Seen], min_siblings: int) -> list[Entry]:
+def _name_entries(
+    names: Sequence[_Seen], min_siblings: int, asked: Mapping[str, int]
+) -> list[Entry]:
     wildcards = _wildcards(names, min_siblings)
     groups: dict[tuple[str, int], list[_Seen]] = {}
     entries: list[tuple[tuple[tuple[str, ...], int], Entry]] = []
@@ -338,18 +472,26 @@ def _name_entries(names: Sequence[_Seen], min_siblings: int) -> list[Entry]:
         port = seen.rule.port or 0
         suffix = _covering(seen.rule.value, port, wildcards)
         if suffix is None:
-            entries.append((_labels_key(seen), _entry(seen)))
+            entries.append((_labels_key(seen), _entry(seen, asked)))
         else:
             groups.setdefault((suffix, port), []).append(seen)
     for (suffix, port), members in groups.items():
-        pattern = f"*.{suffix}:{port}"
-        covers = tuple(seen.rule.value for seen in members)
-        total = sum(seen.admitted for seen in members)
-        notes = tuple(note for seen in members for note in _entry(seen).notes)
         key = ((*reversed(suffix.split(".")), "*"), port)
-        entries.append((key, Entry(pattern, total, covers, notes)))
+        entries.append((key, _wildcard_entry(suffix, port, members, asked)))
     entries.sort(key=lambda item: item[0])
     return [entry for _, entry in entries]
+
+
+def _wildcard_entry(
+    suffix: str, port: int, members: Sequence[_Seen], asked: Mapping[str, int]
+) -> Entry:
+    return Entry(
+        pattern=f"*.{suffix}:{port}",
+        connections=sum(seen.admitted for seen in members),
+        covers=tuple(seen.rule.value for seen in members),
+        notes=tuple(note for seen in members for note in _notes(seen)),
+        lookups=sum(asked.get(seen.rule.value, 0) for seen in members),
+    )
 
 
 # --------------------------------------------------------------------------- rendering
@@ -369,6 +511,11 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
 
+def _counts(reasons: Iterable[tuple[Reason, int]]) -> str:
+    """``no_allow_rule`` for one record, ``no_allow_rule x3`` for more."""
+    return ", ".join(reason.value + (f" x{n}" if n > 1 else "") for reason, n in reasons)
+
+
 def _header(suggestion: Suggestion, sources: Sequence[str]) -> list[str]:
     span = "no records"
     if suggestion.first_ts is not None and suggestion.last_ts is not None:
@@ -378,9 +525,10 @@ def _header(suggestion: Suggestion, sources: Sequence[str]) -> list[str]:
         f"# Sources: {_comment_safe(', '.join(sources)) if sources else '(none named)'}",
         f"# Records: {suggestion.records}, {span} (UTC)",
         "#",
-        "# It admits exactly the host:port pairs seen allowed, would_deny (report mode) or",
-        "# denied for want of an allow entry. Review every entry before enforcing it:",
-        "# the log shows what a program did, not what it should do.",
+        "# It admits exactly the host:port pairs the log shows allowed or would_deny (report",
+        "# mode). Destinations denied in the log, and private, special, metadata or the",
+        "# proxy's own addresses, are commented out with the reason. Review every entry",
+        "# before enforcing it: the log shows what a program did, not what it should do.",
         "# Names are admitted by name: the addresses they resolve to are still checked, and",
         "# a private or special one stays denied unless egress.allow_cidrs covers it.",
         "# Validate with: egressbox check FILE",
@@ -408,16 +556,27 @@ def _entry_lines(entry: Entry) -> list[str]:
         text = f"{entry.pattern} stands for {len(entry.covers)} names seen: {shown}"
         lines += _comment("", text + (f" and {more} more" if more > 0 else ""))
     tail = _plural(entry.connections, "connection")
+    if entry.lookups:
+        tail += f", {_plural(entry.lookups, 'lookup')}"
     lines.append(f"    {_toml_string(entry.pattern)},  # {tail}")
     return lines
 
 
 def _withheld_lines(item: Withheld) -> list[str]:
-    text = (
-        f"{item.pattern} is not admitted ({_plural(item.connections, 'connection')}, "
-        f"{item.reason.value}): {_WARNINGS[item.reason]}"
-    )
-    return [*_comment("WARNING: ", text), f"    # {_toml_string(item.pattern)},"]
+    lines: list[str] = []
+    if item.reason in _WARNINGS:
+        text = f"{item.pattern} is not admitted ({item.reason.value}): {_WARNINGS[item.reason]}"
+        if item.grant is not None:
+            text += f" Here {item.grant}: uncommenting is enough."
+        lines += _comment("WARNING: ", text)
+    parts = []
+    if item.let_through:
+        parts.append(f"{_plural(item.let_through, 'connection')} let through in the log")
+    if item.denied:
+        parts.append(f"denied in the log: {_counts(item.denied)}")
+    tail = _comment_safe("; ".join(parts))
+    lines.append(f"    # {_toml_string(item.pattern)},  # {tail}")
+    return lines
 
 
 def _allow_lines(suggestion: Suggestion, min_siblings: int) -> list[str]:
@@ -430,7 +589,13 @@ def _allow_lines(suggestion: Suggestion, min_siblings: int) -> list[str]:
         ]
     for entry in suggestion.allow:
         lines += _entry_lines(entry)
-    for item in suggestion.withheld:
+    warned = [item for item in suggestion.withheld if item.reason in _WARNINGS]
+    denied = [item for item in suggestion.withheld if item.reason not in _WARNINGS]
+    for item in warned:
+        lines += _withheld_lines(item)
+    if denied:
+        lines.append("    # Denied in the log: uncomment an entry only if the program needs it.")
+    for item in denied:
         lines += _withheld_lines(item)
     lines.append("]")
     return lines
@@ -481,6 +646,29 @@ def _ignored_lines(suggestion: Suggestion) -> list[str]:
     return lines
 
 
+def _outcome_text(verdict: Verdict, reason: Reason, count: int) -> str:
+    """``allow``, ``deny no_allow_rule x3``: the reason only where the verdict lacks it."""
+    text = verdict.value if reason is Reason.ALLOWED else f"{verdict.value} {reason.value}"
+    return text + (f" x{count}" if count > 1 else "")
+
+
+def _lookup_lines(suggestion: Suggestion) -> list[str]:
+    if not suggestion.lookups:
+        return []
+    lines = [
+        "",
+        "# Names only asked of the DNS: a question has no port, so none is an entry. If the",
+        '# program connects to one, add "NAME:PORT" for the port it uses.',
+    ]
+    for hint in suggestion.lookups[:_SHOW_IGNORED]:
+        counts = ", ".join(_outcome_text(*outcome) for outcome in hint.outcomes)
+        lines.append(f"#   {_comment_safe(hint.name)}: {counts}")
+    more = len(suggestion.lookups) - _SHOW_IGNORED
+    if more > 0:
+        lines.append(f"#   ... and {more} more")
+    return lines
+
+
 def render_policy(
     suggestion: Suggestion,
     *,
@@ -492,16 +680,17 @@ def render_policy(
     lines = _header(suggestion, sources)
     lines += _egress_lines(suggestion, base, min_siblings)
     lines += _ignored_lines(suggestion)
+    lines += _lookup_lines(suggestion)
     return "\n".join(lines) + "\n"
 
 
 def suggest_policy(
-    rows: Iterable[SummaryRow],
+    records: Iterable[AuditRecord],
     *,
     sources: Sequence[str] = (),
     base: Policy | None = None,
     min_siblings: int = MIN_SIBLINGS,
 ) -> str:
-    """summarize() rows in, TOML text out. ``base`` supplies deny/allow_cidrs to keep."""
-    suggestion = plan_suggestion(rows, base=base, min_siblings=min_siblings)
+    """Audit records in, TOML text out. ``base`` supplies deny/allow_cidrs to keep."""
+    suggestion = plan_suggestion(records, base=base, min_siblings=min_siblings)
     return render_policy(suggestion, sources=sources, base=base, min_siblings=min_siblings)
