@@ -11,7 +11,7 @@ or an upgrade hands the connection over to raw bytes. Checked on every input:
 - what would go upstream (`forward_head` and the re-encoded body) parses with h11 to the
   same method, target, fields and body, with nothing left over;
 - when the first request is forwarded and its body is complete, h11 reads the input to
-  the same body and the same bytes after it (tests/test_http1.py's agreement test).
+  the same body and the same bytes after it (tests/protocols/test_http1.py's agreement test).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def check_forwarded(message: Message) -> None:
 def check_with_h11(data: bytes, result: Connection) -> None:
     """h11 reads the first forwarded request of the input as we do: same body, same end.
 
-    Strict, as tests/test_http1.py's agreement test: h11 must accept the request. A
+    Strict, as tests/protocols/test_http1.py's agreement test: h11 must accept the request. A
     chunked body is given to h11 without its extensions and trailers (which we drop):
     h11 is stricter than RFC 9112 about their form, fuzz_chunked covers them.
     """

@@ -11,7 +11,7 @@ a WebSocket upgrade), first without and then with the origin closing. Checked:
   keep-alive and reuse verdict, or the same error (also with a small head limit);
 - what we write to the client parses with h11 to the same status and body;
 - for GET and HEAD, h11 reads the input to the same status and body
-  (tests/test_http1.py's agreement test).
+  (tests/protocols/test_http1.py's agreement test).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ REQUESTS = [
 HEADS = [(name, _request(raw), method) for name, raw, method in REQUESTS]
 # A head limit that inputs reach (see fuzz_http1_request).
 SMALL_HEAD = 256
-# Agreement with h11 on the input: as tests/test_http1.py, for an HTTP/1.1 GET or HEAD.
+# Agreement with h11 on the input: as tests/protocols/test_http1.py, for an HTTP/1.1 GET or HEAD.
 COMPARED_INPUT = {"get", "head"}
 
 
@@ -183,7 +183,8 @@ def check_with_h11(
 
 
 def check_input(method: str, data: bytes, got: Relayed, *, eof: bool) -> None:
-    """h11 reads the origin's bytes to the same response (strictly, as tests/test_http1.py).
+    """h11 reads the origin's bytes to the same response (strictly, as in
+    tests/protocols/test_http1.py).
 
     A chunked body is given to h11 without its extensions and trailers, which we drop:
     h11 is stricter about their form (BWS before `;`, and it validates framing fields such

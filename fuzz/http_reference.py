@@ -1,6 +1,6 @@
 """h11 as the second opinion on HTTP/1.1, and a decoder for the chunks egressbox writes.
 
-The comparisons are those of tests/test_http1.py (`h11_request`, `h11_response`,
+The comparisons are those of tests/protocols/test_http1.py (`h11_request`, `h11_response`,
 `dechunk`): whatever egressbox accepts, h11 must read with the same framing, so no
 message can mean one thing to the proxy and another to the hop behind it. The fuzz
 targets also hand h11 what egressbox *writes* (the forwarded request, the framed

@@ -12,6 +12,10 @@ from dnsserver import dns_server
 
 __all__ = ["dns_server"]
 
+# The proxy fixtures (loopback origins, test DNS, an in-process proxy, curl) serve
+# tests in several packages of the tree, so they are a plugin, not a conftest.
+pytest_plugins = ["proxy_fixtures"]
+
 # The proxy core may be compiled (setup.py). Its modules call each other
 # directly, so a test that monkeypatches an egressbox internal to spy or inject
 # a fault sees nothing there: such tests are marked `pure_only` and run in the

@@ -1,5 +1,6 @@
 """The package layout holds: every module imports on its own, no import cycle, the command
-line imported by nothing, and the public names are what the README shows whatever loads first."""
+line imported by nothing, the public names are what the README shows whatever loads first, and
+the tests mirror the source tree."""
 
 from __future__ import annotations
 
@@ -131,3 +132,20 @@ def test_the_readme_names_are_the_functions_whatever_loads_first(first: str) -> 
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_the_test_tree_mirrors_the_source_tree() -> None:
+    """tests/<package>/ holds the tests of egressbox.<package>: a test directory
+    names a package of the source, and no test sits in a directory of its own."""
+    packages = {p.name for p in _package_dir().iterdir() if (p / "__init__.py").exists()}
+    test_dirs = {
+        p.name
+        for p in TESTS.iterdir()
+        if p.is_dir() and p.name != "__pycache__" and any(p.glob("test_*.py"))
+    }
+    assert test_dirs <= packages, f"test directories with no package: {test_dirs - packages}"
+    stray = [p for p in TESTS.rglob("test_*.py") if p.parent != TESTS and p.parent.parent != TESTS]
+    assert not stray, f"tests nested deeper than tests/<package>/: {stray}"

@@ -2,7 +2,7 @@
 
 Pure: a policy, the decision that admitted the tunnel and what the reader made of
 its first bytes in; None (go ahead) or an `sni_mismatch` decision out. The proxy
-around it is tested in tests/integration/test_tls_name_check.py.
+around it is tested in tests/proxy/test_tls_name_check.py.
 """
 
 from __future__ import annotations

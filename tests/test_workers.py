@@ -1,4 +1,4 @@
-"""`serve --workers`: the pure parts (the processes are tested in integration/test_serve.py)."""
+"""`serve --workers`: the pure parts (the processes are tested in tests/test_serve.py)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ import pytest
 
 from egressbox.confine.plan import HostFacts
 from egressbox.runner.facts import _load_facts, _store_facts, host_facts
-from integration.unprivileged import CLEAN_PATH, invoking_actor, repo_root
+from unprivileged import CLEAN_PATH, invoking_actor, repo_root
 
 pytestmark = pytest.mark.skipif(
     sys.platform != "linux", reason="egressbox run confines on Linux only"

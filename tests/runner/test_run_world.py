@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from integration.unix_listener import UnixListener
-from integration.unprivileged import BASE_DIR, Actor
+from unix_listener import UnixListener
+from unprivileged import BASE_DIR, Actor
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),

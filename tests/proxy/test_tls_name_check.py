@@ -26,14 +26,14 @@ from python_socks.async_.asyncio import Proxy
 
 from egressbox.audit import JsonlFileSink
 from egressbox.policy import parse_policy
-from integration.conftest import BASE_POLICY, IO_TIMEOUT
+from proxy_fixtures import BASE_POLICY, IO_TIMEOUT
 from tls_hellos import ech_hello, handshake_message, real_hello, records
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from egressbox.proxy.server import EgressProxy
-    from integration.conftest import Origins, StartProxy, TlsFiles, Wire
+    from proxy_fixtures import Origins, StartProxy, TlsFiles, Wire
 
 pytestmark = pytest.mark.usefixtures("dials")
 

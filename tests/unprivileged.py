@@ -59,8 +59,8 @@ class UnavailableError(Exception):
 
 
 def repo_root() -> Path:
-    """The project checkout this file belongs to (tests/integration/ -> the root)."""
-    return Path(__file__).resolve().parents[2]
+    """The project checkout this file belongs to (tests/ -> the root)."""
+    return Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ The child's stderr passes through the parent (a pipe, or a pty when the parent's
 terminal): its bytes must arrive unchanged and in order, and a pty must look like a terminal.
 
 Every child runs in its own process tree, as the invoking user and as the unprivileged test
-user (tests/integration/unprivileged.py). Nothing leaves loopback; every wait is bounded.
+user (tests/unprivileged.py). Nothing leaves loopback; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from integration.unix_listener import UnixListener
-from integration.unprivileged import (
+from unix_listener import UnixListener
+from unprivileged import (
     BASE_DIR,
     Actor,
     invoking_actor,

@@ -17,7 +17,7 @@ import os
 import random
 
 from egressbox.proxy.server import EgressProxy
-from integration.conftest import StreamOrigin, Wire, make_policy
+from proxy_fixtures import StreamOrigin, Wire, make_policy
 
 SEED = 20_261_130
 CLIENTS = 160

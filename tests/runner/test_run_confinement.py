@@ -4,7 +4,7 @@ One probe program (generated from the `probe_*` functions below into a workspace
 performs named checks and prints one JSON line per check. The test runs it twice with the same
 checks: plainly, to prove the probe really reaches what it aims at, and under `egressbox run`,
 where it must not. Each run is its own process tree; the unprivileged user's runs go through
-`runuser` with a venv built for it (tests/integration/unprivileged.py). A `grandchild` variant
+`runuser` with a venv built for it (tests/unprivileged.py). A `grandchild` variant
 makes the probe re-run itself as a child of the confined command: confinement is inherited.
 
 Listeners the probe aims at are started here, in the test process, on loopback only: TCP over
@@ -44,7 +44,7 @@ from typing import Any
 
 import pytest
 
-from integration.unprivileged import (
+from unprivileged import (
     BASE_DIR,
     Actor,
     invoking_actor,

@@ -32,7 +32,7 @@ from egressbox.policy import Policy, parse_policy
 from egressbox.proxy.server import EgressProxy
 from egressbox.proxy.tunnel import Connection
 from egressbox.resolve import Resolution
-from integration.conftest import StreamOrigin
+from proxy_fixtures import StreamOrigin
 
 pytestmark = [
     pytest.mark.timeout(60),

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from egressbox.proxy.server import EgressProxy
-from integration.conftest import BASE_POLICY, HttpOrigin, StartProxy, StreamOrigin, Wire
+from proxy_fixtures import BASE_POLICY, HttpOrigin, StartProxy, StreamOrigin, Wire
 
 pytestmark = pytest.mark.usefixtures("dials")
 

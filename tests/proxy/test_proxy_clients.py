@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from dnsserver import DnsServer
-    from integration.conftest import (
+    from proxy_fixtures import (
         Curl,
         EchoOrigin,
         HttpOrigin,

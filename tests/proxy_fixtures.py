@@ -47,7 +47,7 @@ from egressbox.hosts import IPAddress
 from egressbox.policy import Policy, parse_policy
 from egressbox.proxy.server import EgressProxy
 from egressbox.resolve import DnsResolver
-from integration.unprivileged import (
+from unprivileged import (
     Actor,
     UnavailableError,
     invoking_actor,

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from dnsserver import DnsServer
     from egressbox.proxy.server import EgressProxy
-    from integration.conftest import (
+    from proxy_fixtures import (
         Curl,
         DialGuard,
         HttpOrigin,

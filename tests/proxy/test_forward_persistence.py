@@ -21,10 +21,10 @@ import pytest
 
 from egressbox.proxy.server import EgressProxy
 from egressbox.proxy.tunnel import Connection
-from integration.conftest import StreamOrigin
+from proxy_fixtures import StreamOrigin
 
 if TYPE_CHECKING:
-    from integration.conftest import HttpOrigin, Wire
+    from proxy_fixtures import HttpOrigin, Wire
 
 IO_TIMEOUT = 10.0
 

@@ -15,7 +15,7 @@ import pytest
 from dnsserver import DnsServer
 from egressbox.proxy.dns import Answerer
 from egressbox.synthetic import V4_NETWORK, V6_NETWORK, SyntheticNames
-from integration.conftest import StartProxy, Wire
+from proxy_fixtures import StartProxy, Wire
 
 pytestmark = pytest.mark.usefixtures("dials")
 

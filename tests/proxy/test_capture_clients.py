@@ -26,8 +26,8 @@ import pytest
 
 from dnsserver import A, DnsServer
 from egressbox.synthetic import V4_NETWORK, V6_NETWORK
-from integration.tools_fixtures import Sshd, make_git_repo, missing_tools
-from integration.unprivileged import Actor
+from tools_fixtures import Sshd, make_git_repo, missing_tools
+from unprivileged import Actor
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="run confines on Linux only"),

@@ -26,7 +26,7 @@ import pytest
 
 from egressbox.confine.plan import CAPTURE_HOSTS, CAPTURE_RESOLV_CONF
 from egressbox.runner.facts import host_facts
-from integration.unprivileged import Actor
+from unprivileged import Actor
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),

@@ -3,7 +3,7 @@ refusals, no orphans, and nothing left listening after the run.
 
 Every confined command runs in its own process tree, started with subprocess (`python -m
 egressbox run ...`, or a small script calling the library), as the invoking user and, where
-the case depends on who runs it, as an unprivileged user too (tests/integration/unprivileged.py).
+the case depends on who runs it, as an unprivileged user too (tests/unprivileged.py).
 The only cases run inside the pytest process are refusals, which happen before anything forks.
 No byte leaves 127.0.0.0/8 or namespaces created here; every wait is bounded.
 """
@@ -34,7 +34,7 @@ from egressbox.confine.plan import HOST_NEEDS, HostFacts, Mechanism, Profile
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.facts import host_facts
 from egressbox.runner.options import RunOptions, RunRefusedError
-from integration.unprivileged import Actor
+from unprivileged import Actor
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from integration.tools_fixtures import (
+from tools_fixtures import (
     HELLO,
     CertificateAuthority,
     CommandFailedError,
