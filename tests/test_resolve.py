@@ -641,3 +641,30 @@ async def test_nobody_listening_is_an_error_not_a_hang(udp_port_nobody_uses: int
     error = await failure(resolver, "a.test")
     assert error.reason in (Reason.DNS_TIMEOUT, Reason.DNS_FAILURE)
     assert time.monotonic() - start < SHORT + SLACK
+
+
+async def test_a_cached_name_keeps_its_memoized_decision_until_the_entry_changes(
+    dns_server: DnsServer,
+) -> None:
+    """The real cache hands out a fresh copy per lookup (its TTL counts down): the
+    decision memo still hits while the entry is the same, and a new entry (here a
+    rebinding to a private address after the old one is dropped) decides afresh."""
+    from egressbox.decide import Decision
+    from egressbox.egress import check, check_now
+    from egressbox.policy import parse_policy
+
+    policy = parse_policy({"egress": {"allow": ["memo.test:443"]}}, env={})
+    dns_server.set("memo.test", A("151.101.0.223"))  # a public address: allowed
+    resolver = explicit(dns_server)
+    first = await check(policy, resolver, "memo.test", 443)
+    assert first.allowed
+    hit = check_now(policy, resolver, "memo.test", 443)
+    assert isinstance(hit, Decision) and hit.allowed
+    assert check_now(policy, resolver, "memo.test", 443) is hit
+    dns_server.set("memo.test", A("10.0.0.9"))
+    resolver.clear_cache()
+    assert not isinstance(check_now(policy, resolver, "memo.test", 443), Decision)
+    second = await check(policy, resolver, "memo.test", 443)
+    assert second.reason is Reason.PRIVATE_ADDRESS
+    again = check_now(policy, resolver, "memo.test", 443)
+    assert isinstance(again, Decision) and again.reason is Reason.PRIVATE_ADDRESS

@@ -86,8 +86,8 @@ class _Memo(NamedTuple):
 
 
 # Decisions that needed no query, by (host, port) as asked. A hit needs the
-# same policy and endpoint objects and, for a name, the very answer the
-# resolver still holds in its cache: a reload, a new DNS answer or an expired
+# same policy and endpoint objects and, for a name, the very cache entry the
+# resolver still holds: a reload, a new DNS answer or an expired
 # one decides afresh. Clients ask for the same few targets again and again
 # (a kept-alive client, a build's many fetches), and a hit skips host
 # normalization and the rules (measured: ~5 of ~6 us per decision).
@@ -127,7 +127,14 @@ def _still_holds(
 ) -> bool:
     if memo.policy is not policy or memo.self_endpoints is not self_endpoints:
         return False
-    return memo.answer is None or (lookup is not None and lookup(memo.name) is memo.answer)
+    if memo.answer is None:
+        return True
+    held = None if lookup is None else lookup(memo.name)
+    # The cache hands out a copy of its entry with the remaining TTL, so the
+    # answer is the same entry when it shares the entry's addresses tuple: a new
+    # query or a new entry builds a new one (and the memo keeps the old alive,
+    # so its identity cannot be reused).
+    return held is not None and held.addresses is memo.answer.addresses
 
 
 def _check_now(
