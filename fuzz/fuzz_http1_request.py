@@ -31,8 +31,8 @@ harness.check_pure([http1, hosts])
 
 MAX_MESSAGES = 8
 # A head limit that inputs reach (the default, 64 KiB, is beyond libFuzzer's inputs):
-# the 414 and 431 refusals, and the whole-head shortcut's budget, must not depend on
-# the chunking either.
+# the 414 and 431 refusals, found by the head scanner as bytes arrive, must not depend
+# on the chunking either.
 SMALL_HEAD = 256
 
 

@@ -943,6 +943,17 @@ def test_malformed_chunked_body_is_400(data: bytes) -> None:
     assert body_every_way(CHUNKED_BODY, data + TRAILING) == 400
 
 
+def test_a_cr_that_ends_chunk_data_leaves_a_bare_lf_after_it_bare() -> None:
+    # The chunk's data is one CR; the LF after it is not the end of a CRLF line, however
+    # the bytes were split (also when the data's CR was consumed in an earlier feed).
+    data = b"1\r\n\r\n\r\n0\r\n\r\n"
+    for cut in range(len(data) + 1):
+        reader = RequestBodyReader(CHUNKED_BODY)
+        with pytest.raises(HttpError, match="bare LF"):
+            reader.feed(data[:cut])
+            reader.feed(data[cut:])
+
+
 def test_length_body_passes_through_unchanged() -> None:
     body = b"0\r\n\r\nGET http://x/ HTTP/1.1\r\n"
     got = body_every_way(BodyFraming(FramingKind.LENGTH, len(body)), body + TRAILING)
@@ -1879,12 +1890,19 @@ def test_connect_without_host_header_is_accepted() -> None:
     assert parser.trailing == b"hello"
 
 
-# -- request heads: the whole-head fast path ---------------------------------------------------
+# -- request heads: one path, whatever the chunking --------------------------------------------
 
 
-def slow_path(data: bytes, max_head_bytes: int) -> Parsed:
-    """The line-by-line path only: a first feed of one byte never holds a whole head."""
+def first_byte_apart(data: bytes, max_head_bytes: int) -> Parsed:
+    """The first byte alone, then the rest: the head is never whole in the first feed."""
     return run_parser([data[:1], data[1:]], max_head_bytes)
+
+
+def same_every_way(data: bytes, limit: int, cut: int) -> None:
+    """Whole, with the first byte apart, and cut at `cut`: one verdict, one head, one rest."""
+    first = run_parser(whole(data), limit)
+    assert first_byte_apart(data, limit) == first
+    assert run_parser(split_at(data, [cut]), limit) == first
 
 
 @st.composite
@@ -1906,7 +1924,7 @@ def random_heads(draw: st.DrawFn) -> bytes:
     return (lead + "\r\n".join([first, *fields]) + ends).encode("latin-1")
 
 
-SHORTCUT_FIELDS = [
+COMMON_FIELDS = [
     "Host: a.b:443",
     "host: a.b",
     "Host: a.b:0",
@@ -1927,8 +1945,10 @@ SHORTCUT_FIELDS = [
 
 
 @st.composite
-def shortcut_heads(draw: st.DrawFn) -> bytes:
-    """CONNECT and http:// heads near the edges of the whole-head shortcuts' shapes."""
+def common_heads(draw: st.DrawFn) -> bytes:
+    """CONNECT and http:// heads near the edges of the common shapes: hosts with brackets,
+    userinfo or URL delimiters, ports out of range, other versions and methods, and field
+    blocks at the field limit or one past it."""
     host = draw(
         st.sampled_from(["a.b", "127.0.0.1", "[::1]", "a@b", "", "x%y", "a[b", "a/b", "a?b"])
         | st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7F), min_size=1, max_size=8)
@@ -1945,7 +1965,7 @@ def shortcut_heads(draw: st.DrawFn) -> bytes:
         target = scheme + authority + path
     else:
         target = f"{host}:{port}"
-    fields = draw(st.lists(st.sampled_from(SHORTCUT_FIELDS), max_size=5))
+    fields = draw(st.lists(st.sampled_from(COMMON_FIELDS), max_size=5))
     if draw(st.booleans()):
         fields = fields + ["X: y"] * (MAX_HEADER_FIELDS - len(fields) + draw(st.integers(0, 1)))
     lines = [f"{method} {target} {version}", *fields]
@@ -1953,42 +1973,118 @@ def shortcut_heads(draw: st.DrawFn) -> bytes:
 
 
 @FUZZ
-@given(data=shortcut_heads(), limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD]))
-def test_whole_head_shortcuts_agree_with_the_line_path(data: bytes, limit: int) -> None:
-    assert run_parser(whole(data), limit) == slow_path(data, limit)
+@given(
+    data=common_heads(),
+    limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD]),
+    cut=st.integers(0, 600),
+)
+def test_common_shaped_heads_do_not_depend_on_chunking(data: bytes, limit: int, cut: int) -> None:
+    same_every_way(data, limit, cut)
 
 
 @FUZZ
 @given(
     data=random_heads() | mutated() | st.binary(max_size=300),
     limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD, 40]),
+    cut=st.integers(0, 300),
 )
-def test_whole_head_fast_path_agrees_with_the_line_path(data: bytes, limit: int) -> None:
-    assert run_parser(whole(data), limit) == slow_path(data, limit)
+def test_random_heads_do_not_depend_on_chunking(data: bytes, limit: int, cut: int) -> None:
+    same_every_way(data, limit, cut)
 
 
 @pytest.mark.parametrize("raw", ALL_REQUESTS)
-def test_whole_head_fast_path_agrees_on_every_listed_request(raw: bytes) -> None:
+def test_every_listed_request_is_read_alike_at_every_limit(raw: bytes) -> None:
     data = raw + TRAILING
     for limit in (MAX_HEAD_BYTES, SMALL_HEAD, len(raw), len(raw) - 1):
-        assert run_parser(whole(data), limit) == slow_path(data, limit)
+        same_every_way(data, limit, len(raw) // 2)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bytes]:
+    """Record the bytes that the module function `name` reads each time (it still runs)."""
+    calls: list[bytes] = []
+    real = getattr(http1, name)
+
+    def counting(*args: object) -> object:
+        calls.append(next(arg for arg in args if isinstance(arg, bytes)))
+        return real(*args)
+
+    monkeypatch.setattr(http1, name, counting)
+    return calls
 
 
 @pytest.mark.pure_only
-def test_whole_head_fast_path_is_taken_for_a_plain_connect(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_line_path(self: RequestHeadParser) -> None:
-        raise AssertionError("the line-by-line path ran")
+def test_one_reading_of_a_request_head_however_it_arrives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = count_calls(monkeypatch, "_request_line")
+    heads = count_calls(monkeypatch, "_request_head")
+    raw = req("CONNECT example.com:443 HTTP/1.1", "User-Agent: x", host="example.com:443")
+    for chunks in (whole(raw + TRAILING), bytewise(raw + TRAILING), split_at(raw, [9, 40])):
+        lines.clear()
+        heads.clear()
+        parsed = run_parser(chunks)
+        assert parsed.head is not None
+        assert parsed.head.kind is RequestKind.CONNECT
+        # Each line read once: the request line when it is complete, then the head.
+        assert lines == [b"CONNECT example.com:443 HTTP/1.1"]
+        assert heads == [raw[:-2]]
 
-    monkeypatch.setattr(RequestHeadParser, "_advance", no_line_path)
-    raw = req("CONNECT example.com:443 HTTP/1.1", host="example.com:443")
-    parser = RequestHeadParser()
-    head = parser.feed(raw + TRAILING)
-    assert head is not None
-    assert head.kind is RequestKind.CONNECT
-    assert parser.trailing == TRAILING
+
+@pytest.mark.pure_only
+def test_one_reading_of_a_response_head_however_it_arrives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = count_calls(monkeypatch, "_status_line")
+    heads = count_calls(monkeypatch, "_response_fields")
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"
+    for chunks in (whole(head + b"ok"), bytewise(head + b"ok"), split_at(head + b"ok", [5, 20])):
+        lines.clear()
+        heads.clear()
+        framer = ResponseFramer(request())
+        events = [event for chunk in chunks for event in framer.feed(chunk)]
+        assert [type(e) for e in events if not isinstance(e, BodyData)] == [
+            ResponseHead,
+            EndOfMessage,
+        ]
+        assert lines == [b"HTTP/1.1 200 OK"]
+        assert heads == [head[:-2]]
 
 
-# -- responses: the whole-head fast path and reuse of the upstream connection ------------------
+def test_framing_faults_are_refused_before_the_head_is_complete() -> None:
+    # The head's end need not have arrived for a bare CR or LF, or for a head past the
+    # limit: the scanner refuses them as soon as it sees them.
+    for partial, status in [
+        (b"GET http://a/ HTTP/1.1\nHost", 400),
+        (b"GET http://a/ HTTP/1.1\r\nHost: a\rb", 400),
+        (b"GET http://a/" + b"a" * SMALL_HEAD, 414),
+        (b"GET http://a/ HTTP/1.1\r\nX: " + b"a" * SMALL_HEAD, 431),
+    ]:
+        for chunks in (whole(partial), bytewise(partial)):
+            parsed = run_parser(chunks, SMALL_HEAD)
+            assert parsed.error is not None
+            assert parsed.error[0] == status
+
+
+def test_the_start_line_is_read_as_soon_as_it_is_complete() -> None:
+    # A client or an upstream that speaks no HTTP (a banner, then silence) is refused
+    # at once, without waiting for a head that never comes.
+    for line in (b"SSH-2.0-OpenSSH_9.2\r\n", b"GET / HTTP/1.1\r\n", b"GET http://a/ HTTP/2\r\n"):
+        assert run_parser(whole(line)).error is not None
+        assert run_parser(bytewise(line)) == run_parser(whole(line))
+    framer = ResponseFramer(request())
+    with pytest.raises(UpstreamResponseError, match="malformed status line"):
+        framer.feed(b"220 mail.example.com ESMTP\r\n")
+
+
+def test_field_lines_are_read_once_the_head_is_complete() -> None:
+    # A bad field line is refused when the empty line arrives, whatever the chunking.
+    partial = req(GET, " folded")[:-2]
+    assert run_parser(whole(partial)) == Parsed(None, b"", None)
+    assert run_parser(bytewise(partial)) == Parsed(None, b"", None)
+    assert refuse(req(GET, " folded"))[0] == 400
+
+
+# -- responses: one path whatever the chunking, and reuse of the upstream connection -----------
 
 
 @FUZZ
@@ -1996,23 +2092,13 @@ def test_whole_head_fast_path_is_taken_for_a_plain_connect(monkeypatch: pytest.M
     data=st.binary(max_size=200) | mutated(RESPONSE_SEEDS),
     limit=st.sampled_from([MAX_HEAD_BYTES, SMALL_HEAD, 40, 20]),
     eof=st.booleans(),
+    cut=st.integers(0, 200),
 )
-def test_response_fast_path_agrees_with_the_line_path(data: bytes, limit: int, eof: bool) -> None:
+def test_responses_do_not_depend_on_chunking(data: bytes, limit: int, eof: bool, cut: int) -> None:
     client = request()
-    fast = relay(ResponseFramer(client, limit), whole(data), eof)
-    assert fast == relay(ResponseFramer(client, limit), [data[:1], data[1:]], eof)
-
-
-@pytest.mark.pure_only
-def test_response_fast_path_is_taken_for_a_plain_response(monkeypatch: pytest.MonkeyPatch) -> None:
-    framer = ResponseFramer(request())
-
-    def no_line_path() -> None:
-        raise AssertionError("the line-by-line path ran")
-
-    monkeypatch.setattr(framer, "_read_head", no_line_path)
-    events = framer.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-    assert [type(e) for e in events] == [ResponseHead, BodyData, EndOfMessage]
+    first = relay(ResponseFramer(client, limit), whole(data), eof)
+    assert relay(ResponseFramer(client, limit), [data[:1], data[1:]], eof) == first
+    assert relay(ResponseFramer(client, limit), split_at(data, [cut]), eof) == first
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,14 @@ comes back. Four machines and a few builders:
   when a 101 answers an upgrade request (then both sides relay raw bytes).
 - `forward_head`, `connect_established`, `error_reply`: bytes to send.
 
+One grammar, one path, whatever the chunking: `_LineBuffer` frames the bytes and
+only looks for where lines and heads end (refusing a bare CR or LF, and a line or
+head over the limit, as soon as it sees them); a head's start line is read as soon
+as it is complete (`_request_line`, `_status_line`), its field lines once the
+empty line has come (`_field_lines`, also for a chunked body's trailers). Their
+regular expressions are the grammar; the reason given for a refusal is worked
+out only after a line was refused.
+
 Why our own strict parser instead of h11: a proxy sits between two parsers,
 and every message that they could read differently (CL.TE, TE.TE, obs-fold,
 bare LF, duplicate Content-Length ...) is a request-smuggling hole. So
@@ -78,36 +86,36 @@ HTTP_DEFAULT_PORT = 80
 _PLAIN_SCHEMES = frozenset({"http", "ws"})
 _TLS_SCHEMES = frozenset({"https", "wss"})
 
-# tchar (RFC 9110 §5.6.2).
-_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# The grammar, as regular expressions over heads decoded as Latin-1 (one character per
+# byte, so encoding a value back gives the exact bytes). tchar (RFC 9110 §5.6.2):
+_TCHAR = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
+_TOKEN_RE = re.compile(rf"{_TCHAR}+")
 # protocol = protocol-name ["/" protocol-version], both tokens (RFC 9110 §7.8).
-_PROTOCOL_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+(?:/[!#$%&'*+\-.^_`|~0-9A-Za-z]+)?")
+_PROTOCOL_RE = re.compile(rf"{_TCHAR}+(?:/{_TCHAR}+)?")
 # CTLs other than HTAB, which field values may hold (RFC 9110 §5.5).
-_CONTROL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_VERSION_RE = re.compile(rb"HTTP/[0-9]+(?:\.[0-9]+)?")
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# request-line = method SP request-target SP HTTP-version (RFC 9112 §3), single spaces;
+# the target is visible ASCII, and its form (authority or absolute) is read by
+# `_interpret_target`. Only HTTP/1.1 and 1.0.
+_REQUEST_LINE_RE = re.compile(rf"({_TCHAR}+) ([!-~]+) (HTTP/1\.[01])")
+# field-line = field-name ":" OWS field-value OWS (RFC 9112 §5): no whitespace before
+# the colon, none at the start (obs-fold), no control character but HTAB in the value.
+_FIELD_LINE = rf"({_TCHAR}+):([^\x00-\x08\x0a-\x1f\x7f]*)"
+_FIELD_LINE_RE = re.compile(_FIELD_LINE)
+# Every field line of a block at once: a match can only start at a line's start and
+# ends at its CRLF, so a block is valid when there are as many matches as lines.
+_FIELD_LINES_RE = re.compile(rf"(?m)^{_FIELD_LINE}\r\n")
+# status-line; a missing SP before an empty reason is tolerated (seen in the wild).
+_STATUS_LINE_RE = re.compile(r"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
+_VERSION_RE = re.compile(r"HTTP/[0-9]+(?:\.[0-9]+)?")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 _DIGITS_RE = re.compile(r"[0-9]+")
 _PATH_START_RE = re.compile(r"[/?]")
 # chunk-size, then optional extensions: printable, since we drop them anyway.
 _CHUNK_LINE_RE = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
-# status-line; a missing SP before an empty reason is tolerated (seen in the wild).
-_STATUS_LINE_RE = re.compile(rb"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
 _REASON_CODE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
-_CR_OR_LF_RE = re.compile(rb"[\r\n]")
-# The whole-head path's shortcuts, each matching only text that the general
-# functions accept and turn into the same value (checked by property tests): a
-# CONNECT line, or an `http://` line, whose host has no brackets, colon,
-# userinfo or URL delimiter; and a field block in which every line is
-# `token ":" value CRLF` with no control character but HTAB in the value.
-# Anything else takes the general path.
-_CONNECT_LINE_RE = re.compile(rb"CONNECT ([^\x00-\x20\x7f-\xff/?#@:\[\]]+):([0-9]+) (HTTP/1\.[01])")
-_ABSOLUTE_LINE_RE = re.compile(
-    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) (http://([^\x00-\x20\x7f-\xff/?#@:\[\]]+)(?::([0-9]+))?"
-    rb"(/[^\x00-\x20\x7f-\xff#]*)?) (HTTP/1\.[01])"
-)
-_FIELD_LINE = rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):([^\x00-\x08\x0a-\x1f\x7f]*)\r\n"
-_FIELD_LINE_RE = re.compile(_FIELD_LINE)
-_FIELD_BLOCK_RE = re.compile(b"(?:" + _FIELD_LINE + b")*")
+# Framing: a CR not followed by LF, or an LF not after a CR.
+_BARE_CR_OR_LF_RE = re.compile(rb"\r(?!\n)|(?<!\r)\n")
 _CR = 0x0D
 _LF = 0x0A
 _OWS = " \t"
@@ -125,6 +133,8 @@ _HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+# A response head we pass on loses its Content-Length too: we write our own framing.
+_HOP_BY_HOP_AND_LENGTH = _HOP_BY_HOP | {"content-length"}
 # A client could name these in `Connection:` to make us drop them, and so
 # strip the framing of a body it still sends (smuggling): never drop them.
 _NEVER_DROPPED = frozenset({"host", "content-length", "transfer-encoding"})
@@ -187,7 +197,6 @@ class BodyFraming:
 
 NO_BODY = BodyFraming(FramingKind.NONE)
 CHUNKED_BODY = BodyFraming(FramingKind.CHUNKED)
-_EMPTY_BODY = BodyFraming(FramingKind.LENGTH, 0)
 
 
 class Authority(NamedTuple):
@@ -245,40 +254,56 @@ class RequestHead:
         return _values(self.headers, name)
 
 
+# Every value of each lower-cased field name, in order. Read only: the lists are shared.
+_Index = dict[str, list[str]]
+# What a name absent from an index gives; never mutated.
+_NONE: list[str] = []
 # The field index of the head looked at last: a head's checks ask for seven or
 # more names, and one pass that indexes every field beats a scan per name.
 # Swapped as one tuple (atomic), and it holds `fields` itself, so an identity
 # match can never be a new head at a recycled address.
-_LAST_INDEX: list[tuple[Fields, dict[str, list[str]]]] = [((), {})]
+_LAST_INDEX: list[tuple[Fields, _Index]] = [((), {})]
+
+
+def _index(fields: Fields) -> _Index:
+    last = _LAST_INDEX[0]
+    if last[0] is fields:
+        return last[1]
+    index: _Index = {}
+    for name, value in fields:
+        key = name.lower()
+        values = index.get(key)
+        if values is None:
+            index[key] = [value]
+        else:
+            values.append(value)
+    _LAST_INDEX[0] = (fields, index)
+    return index
 
 
 def _values(fields: Fields, name: str) -> list[str]:
-    last = _LAST_INDEX[0]
-    if last[0] is not fields:
-        index: dict[str, list[str]] = {}
-        for key, value in fields:
-            index.setdefault(key.lower(), []).append(value)
-        last = _LAST_INDEX[0] = (fields, index)
-    found = last[1].get(name.lower())
-    return list(found) if found else []
+    return list(_index(fields).get(name.lower(), _NONE))
 
 
-# -- lines ----------------------------------------------------------------------------------
+# -- framing: heads and lines ------------------------------------------------------------
 
 
 class _LineBuffer:
-    """Received bytes not yet consumed, handed out as CRLF lines or raw runs.
+    """Received bytes not yet consumed, handed out as whole heads, CRLF lines or raw runs.
 
-    Every check here depends only on the bytes seen, never on how they were
-    split across feeds, so chunking cannot change a verdict. Each byte is
-    scanned once even when bytes arrive one at a time.
+    Framing only, no grammar: a head is the lines before the first empty line, a line
+    ends in CRLF, and a CR not followed by LF or an LF without a CR is refused as soon
+    as it is seen. Every verdict depends only on the bytes seen, never on how they were
+    split across feeds, and a scan resumes where the last one stopped, so each byte is
+    looked at a bounded number of times even when bytes arrive one at a time.
     """
 
     def __init__(self, fail: Fail) -> None:
-        self._buf = bytearray()
+        self._buf: bytes | bytearray = b""
         self._pos = 0
-        self._scanned = 0  # bytes after _pos already known to hold no CR/LF
-        self.consumed = 0  # total bytes handed out so far
+        # Bytes after _pos known to hold no bare CR or LF and no terminator; never
+        # ending in a CR, whose LF may be the next byte.
+        self._scanned = 0
         self._fail = fail
 
     @property
@@ -286,39 +311,110 @@ class _LineBuffer:
         return len(self._buf) - self._pos
 
     def extend(self, data: bytes) -> None:
-        if self._pos:
-            del self._buf[: self._pos]  # keep only what is still unread
+        buf = self._buf
+        if self._pos >= len(buf):
+            # Nothing unread (the common case: a whole head in one read): keep the
+            # bytes as they came, without a copy.
+            self._buf = data if type(data) is bytes else bytes(data)
             self._pos = 0
-        self._buf += data
+        elif isinstance(buf, bytearray):
+            if self._pos:
+                del buf[: self._pos]  # keep only what is still unread
+                self._pos = 0
+            buf.extend(data)
+        else:
+            self._buf = bytearray(buf[self._pos :]) + data
+            self._pos = 0
 
-    def line(self, budget: int, too_long: Callable[[], HttpError]) -> bytes | None:
+    def head(self, budget: int, too_long: Callable[[bool], HttpError]) -> bytes | None:
+        """The next head: its lines before the first empty line, each with its CRLF
+        (b"" when the first line is empty), consumed with that empty line; None until
+        the empty line has arrived.
+
+        The head with its empty line must fit in `budget` bytes, else
+        `too_long(first_line_ended)` is raised (a factory: the error is only built when
+        it is raised).
+        """
+        buf, pos = self._buf, self._pos
+        stop = min(len(buf), pos + budget)
+        start = pos + self._scanned
+        if start == pos and buf.startswith(b"\r\n", pos, stop):
+            self._advance(pos + 2)
+            return b""
+        # A terminator may begin in bytes already scanned and end in new ones.
+        found = buf.find(b"\r\n\r\n", max(start - 3, pos), stop)
+        if found < 0:
+            self._wait(start, stop, budget, too_long)
+            return None
+        self._refuse_bare(start, found + 4)
+        head = bytes(buf[pos : found + 2])
+        self._advance(found + 4)
+        return head
+
+    def line(self, budget: int, too_long: Callable[[bool], HttpError]) -> bytes | None:
         """The next line without its CRLF, or None until it has arrived.
 
-        The line with its CRLF must fit in `budget` bytes, else `too_long()` is raised
-        (a factory: the error is only built when it is raised).
-        A CR not followed by LF, or an LF without CR, is refused at once.
+        The line with its CRLF must fit in `budget` bytes, else `too_long(False)` is raised.
         """
-        end = min(len(self._buf), self._pos + budget)
-        found = _CR_OR_LF_RE.search(self._buf, self._pos + self._scanned, end)
-        if found is None:
-            self._scanned = max(end - self._pos, 0)
-        else:
-            at = found.start()
-            if self._buf[at] == _LF:
-                raise self._fail("a line ends in a bare LF; lines must end in CRLF")
-            if at + 1 < end:
-                if self._buf[at + 1] != _LF:
-                    raise self._fail("a bare CR inside a line is not allowed")
-                return self._consume_line(at)
-            self._scanned = at - self._pos  # look at this CR again with the next byte
-        if self.available >= budget:
-            raise too_long()
-        return None
-
-    def _consume_line(self, cr: int) -> bytes:
-        line = bytes(self._buf[self._pos : cr])
-        self._advance(cr + 2)
+        end = self._line_end(budget, too_long)
+        if end < 0:
+            return None
+        line = bytes(self._buf[self._pos : end])
+        self._advance(end + 2)
         return line
+
+    def first_line(self, budget: int, too_long: Callable[[bool], HttpError]) -> bytes | None:
+        """Like `line`, but the line stays unread: a head's start line, to be read as
+        soon as it is complete. Call `head` next (its scan goes on after this line)."""
+        end = self._line_end(budget, too_long)
+        if end < 0:
+            return None
+        self._scanned = end + 2 - self._pos
+        return bytes(self._buf[self._pos : end])
+
+    def _line_end(self, budget: int, too_long: Callable[[bool], HttpError]) -> int:
+        """Where the next line's CRLF starts, or -1 until it has arrived."""
+        buf, pos = self._buf, self._pos
+        stop = min(len(buf), pos + budget)
+        start = pos + self._scanned
+        found = buf.find(b"\r\n", start, stop)
+        if found < 0:
+            self._wait(start, stop, budget, too_long)
+        else:
+            self._refuse_bare(start, found + 2)
+        return found
+
+    def _wait(
+        self, start: int, stop: int, budget: int, too_long: Callable[[bool], HttpError]
+    ) -> None:
+        """No terminator up to `stop`: refuse a bare CR or LF, or a run that fills the
+        budget without one (`too_long(True)` if a line ended within it); else remember
+        how far the bytes are clean."""
+        self._refuse_bare(start, stop)
+        if stop - self._pos >= budget:
+            raise too_long(self._buf.find(b"\r\n", self._pos, stop) >= 0)
+        # A CR at the end may be the start of a CRLF: look at it again with the next byte.
+        back = 1 if stop > start and self._buf[stop - 1] == _CR else 0
+        self._scanned = stop - back - self._pos
+
+    def _refuse_bare(self, start: int, end: int) -> None:
+        """Refuse a CR not followed by LF, or an LF not after a CR, in buf[start:end];
+        a CR that is the last byte there is left alone (its LF may come next).
+
+        `start` is where a line starts or where the scan stopped (never just after
+        a CR), so an LF there is bare whatever byte came before it.
+        """
+        buf = self._buf
+        if buf.find(b"\n", start, end) < 0 and buf.find(b"\r", start, end) < 0:
+            return  # not one CR or LF: the common case for bytes that arrive few at a time
+        crlf = buf.count(b"\r\n", start, end)
+        if buf.count(b"\r", start, end) == crlf and buf.count(b"\n", start, end) == crlf:
+            return  # every CR and every LF is in a CRLF
+        found = _BARE_CR_OR_LF_RE.search(buf, start, end)
+        if buf[start] == _LF or (found is not None and buf[found.start()] == _LF):
+            raise self._fail("a line ends in a bare LF; lines must end in CRLF")
+        if found is not None and found.start() + 1 < end:
+            raise self._fail("a bare CR inside a line is not allowed")
 
     def take(self, limit: int | None = None) -> bytes:
         """Up to `limit` (default: all) of the unread bytes, as they are."""
@@ -328,50 +424,82 @@ class _LineBuffer:
         return data
 
     def _advance(self, pos: int) -> None:
-        self.consumed += pos - self._pos
         self._pos = pos
         self._scanned = 0
 
 
-def _parse_field_line(line: bytes, fail: Fail) -> tuple[str, str]:
-    """`name: value` (RFC 9112 §5), strictly; value without surrounding OWS."""
-    if line[:1] in (b" ", b"\t"):
-        raise fail("obs-fold (a header line starting with whitespace) is not allowed")
-    name, colon, value = line.partition(b":")
-    if not colon:
-        raise fail("a header line has no colon")
-    if name[-1:] in (b" ", b"\t"):
-        raise fail("whitespace between a header name and its colon is not allowed")
-    if not _TOKEN_RE.fullmatch(name):
-        raise fail("a header name is not a token")
-    if _CONTROL_RE.search(value):
-        raise fail("a control character in a header value is not allowed")
-    return name.decode("ascii"), value.strip(b" \t").decode("latin-1")
+# -- field lines ------------------------------------------------------------------------------
 
 
-def _plain_fields(data: bytes, start: int, stop: int) -> Fields | None:
-    """The fields of data[start:stop] when every line there is a plain field line
-    (`_FIELD_BLOCK_RE`): what `_parse_field_line` gives for each. Else None."""
-    if not _FIELD_BLOCK_RE.fullmatch(data, start, stop):
-        return None
-    return tuple(
-        (name.decode("ascii"), value.strip(b" \t").decode("latin-1"))
-        for name, value in _FIELD_LINE_RE.findall(data, start, stop)
+def _field_lines(text: str, start: int, fail: Fail, max_fields: int | None) -> Fields:
+    """The field lines of text[start:], each ending in CRLF, read by the one field-line
+    grammar (`_FIELD_LINES_RE`): (name, value) in order, the value without surrounding
+    OWS. More than `max_fields` is refused with 431 (counted in order: a bad line before
+    the limit is a 400, one after it a 431)."""
+    pairs = _FIELD_LINES_RE.findall(text, start)
+    if len(pairs) != text.count("\r\n", start):
+        raise _field_block_error(text[start:], fail, max_fields)
+    if max_fields is not None and len(pairs) > max_fields:
+        raise _too_many_fields(max_fields)
+    return tuple([(name, value.strip(_OWS)) for name, value in pairs])
+
+
+def _too_many_fields(max_fields: int) -> HttpError:
+    return HttpError(
+        HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"more than {max_fields} header fields"
     )
+
+
+def _field_block_error(block: str, fail: Fail, max_fields: int | None) -> HttpError:
+    """Why a block that `_field_lines` refused is refused: the first line that is not a
+    field line, or the limit if it comes first. Classification only: it accepts nothing."""
+    for index, line in enumerate(block.split("\r\n")[:-1]):
+        if max_fields is not None and index >= max_fields:
+            return _too_many_fields(max_fields)
+        if not _FIELD_LINE_RE.fullmatch(line):
+            return _field_line_error(line, fail)
+    return fail("malformed header line")  # not reached: some line did not match
+
+
+def _field_line_error(line: str, fail: Fail) -> HttpError:
+    """Why `line` is not a field line (`_FIELD_LINE_RE` refused it), in reading order."""
+    if line[:1] in (" ", "\t"):
+        return fail("obs-fold (a header line starting with whitespace) is not allowed")
+    name, colon, _ = line.partition(":")
+    if not colon:
+        return fail("a header line has no colon")
+    if name[-1:] in (" ", "\t"):
+        return fail("whitespace between a header name and its colon is not allowed")
+    if not _TOKEN_RE.fullmatch(name):
+        return fail("a header name is not a token")
+    return fail("a control character in a header value is not allowed")
 
 
 def _list_items(values: list[str]) -> list[str]:
     """The elements of a comma-separated field (RFC 9110 §5.6.1), empty ones dropped."""
-    items = (item.strip(_OWS) for value in values for item in value.split(","))
-    return [item for item in items if item]
+    items: list[str] = []
+    for value in values:
+        for raw in value.split(","):
+            item = raw.strip(_OWS)
+            if item:
+                items.append(item)
+    return items
 
 
-def _connection_tokens(fields: Fields, fail: Fail | None) -> frozenset[str]:
+_NO_TOKENS: frozenset[str] = frozenset()
+
+
+def _connection_tokens(index: _Index, fail: Fail | None) -> frozenset[str]:
     """Lower-cased `Connection` options; with `fail`, a non-token is refused."""
-    items = _list_items(_values(fields, "connection"))
-    if fail is not None and not all(_TOKEN_RE.fullmatch(i.encode("latin-1")) for i in items):
-        raise fail("malformed Connection header")
-    return frozenset(item.lower() for item in items)
+    values = index.get("connection")
+    if values is None:
+        return _NO_TOKENS
+    tokens: set[str] = set()
+    for item in _list_items(values):
+        if fail is not None and not _TOKEN_RE.fullmatch(item):
+            raise fail("malformed Connection header")
+        tokens.add(item.lower())
+    return frozenset(tokens)
 
 
 def _content_length(values: list[str], fail: Fail) -> int:
@@ -405,26 +533,31 @@ def _transfer_coding(value: str) -> _Coding:
     return _Coding.UNSUPPORTED
 
 
-def _strip_for_next_hop(fields: Fields, connection: frozenset[str]) -> Fields:
-    """Drop hop-by-hop fields, fields named in Connection, and every Proxy-*."""
-    dropped = (connection - _NEVER_DROPPED) | _HOP_BY_HOP
-    return tuple(
-        (name, value)
-        for name, value in fields
-        if name.lower() not in dropped and not name.lower().startswith("proxy-")
-    )
+def _next_hop_fields(
+    fields: Fields, connection: frozenset[str], dropped: frozenset[str] = _HOP_BY_HOP
+) -> list[tuple[str, str]]:
+    """The fields without those in `dropped` (hop-by-hop), those named in Connection,
+    and every Proxy-*, in order."""
+    if connection:
+        dropped = dropped | (connection - _NEVER_DROPPED)
+    kept: list[tuple[str, str]] = []
+    for name, value in fields:
+        key = name.lower()
+        if key not in dropped and not key.startswith("proxy-"):
+            kept.append((name, value))
+    return kept
 
 
 def _serialize(start_line: str, fields: Sequence[tuple[str, str]]) -> bytes:
-    lines = [start_line, *(f"{name}: {value}" for name, value in fields)]
+    lines = "".join([f"{name}: {value}\r\n" for name, value in fields])
     # Latin-1 gives back the exact bytes each value was decoded from.
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return f"{start_line}\r\n{lines}\r\n".encode("latin-1")
 
 
 # -- request head --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built once per head and never changed (frozen costs more)
 class _RequestLine:
     method: str
     target: str
@@ -441,15 +574,18 @@ class RequestHeadParser:
     the head is complete (then `trailing` holds the bytes after it, which the
     body reader or the next parser must get), or raises `HttpError`. After an
     error every further `feed` raises the same error.
+
+    One path whatever the chunking: `_LineBuffer` frames the bytes (refusing a bare
+    CR or LF, or a line or head beyond the limit, as soon as it is seen);
+    `_request_line` reads the request line once it is complete (a client that sends
+    no HTTP is refused at once), and `_request_head` the field lines once the head is.
     """
 
     def __init__(self, max_head_bytes: int = limits.MAX_HEAD_BYTES) -> None:
         self._max_head_bytes = max_head_bytes
         self._lines = _LineBuffer(_bad_request)
-        self._head_start = 0
         self._empty_lines = 0
-        self._request_line: _RequestLine | None = None
-        self._fields: list[tuple[str, str]] = []
+        self._line: _RequestLine | None = None
         self._head: RequestHead | None = None
         self._trailing = b""
         self._error: HttpError | None = None
@@ -465,148 +601,84 @@ class RequestHeadParser:
         if self._head is not None:
             raise RuntimeError("the head is complete; feed further bytes to the body reader")
         try:
-            if not self._lines.consumed and not self._lines.available and type(data) is bytes:
-                head = self._whole_head(data)
-                if head is not None:
-                    return head
             self._lines.extend(data)
-            return self._advance()
+            head = self._read()
         except HttpError as exc:
             self._error = exc
             raise
-
-    def _whole_head(self, data: bytes) -> RequestHead | None:
-        """Fast path: a whole head in the first feed, parsed without the line buffer.
-
-        Taken only when the line-by-line path would see the same lines: no leading
-        empty line, every line ends in CRLF with no bare CR or LF, and the head fits
-        the limit. The same checks then run in the same order, so the head or the
-        error is the same. Returns None (nothing changed) to take the slow path.
-        """
-        end = data.find(b"\r\n\r\n")
-        if end <= 0 or end + 4 > self._max_head_bytes:
-            return None
-        breaks = data.count(b"\r\n", 0, end)
-        if data.count(b"\r", 0, end) != breaks or data.count(b"\n", 0, end) != breaks:
-            return None
-        line_end = data.find(b"\r\n", 0, end + 2)
-        if line_end == 0:
-            return None  # a leading empty line: the line path skips it
-        request_line = _plain_request_line(data, line_end)
-        if request_line is None:
-            request_line = _parse_request_line(data[:line_end])
-        self._request_line = request_line
-        head = _build_head(request_line, self._field_block(data, line_end + 2, end + 2))
-        self._head = head
-        self._trailing = data[end + 4 :]
+        if head is not None:
+            self._head = head
+            self._trailing = self._lines.take()
         return head
 
-    def _field_block(self, data: bytes, start: int, stop: int) -> Fields:
-        """The fields of the CRLF-ended lines in data[start:stop] (none if start >= stop)."""
-        if start >= stop:
-            return ()
-        fields = _plain_fields(data, start, stop)
-        if fields is not None and len(fields) <= MAX_HEADER_FIELDS:
-            return fields
-        for line in data[start : stop - 2].split(b"\r\n"):
-            self._on_field_line(line)  # the same checks, one line at a time, in order
-        return tuple(self._fields)
-
-    def _advance(self) -> RequestHead | None:
-        while True:
-            line = self._next_line()
-            if line is None:
+    def _read(self) -> RequestHead | None:
+        while self._line is None:
+            first = self._lines.first_line(self._max_head_bytes, self._too_long)
+            if first is None:
                 return None
-            if self._request_line is None:
-                self._on_first_line(line)
-            elif line:
-                self._on_field_line(line)
+            if first:
+                self._line = _request_line(first)
             else:
-                return self._finish(self._request_line)
+                self._skip_empty_line()
+        raw = self._lines.head(self._max_head_bytes, self._too_long)
+        return None if raw is None else _request_head(self._line, raw)
 
-    def _next_line(self) -> bytes | None:
-        budget = self._max_head_bytes - (self._lines.consumed - self._head_start)
-        if self._request_line is None:
-            return self._lines.line(budget, self._line_too_long)
-        return self._lines.line(budget, self._head_too_long)
+    def _skip_empty_line(self) -> None:
+        # The limit counts from the request line: skipped lines are not part of the head.
+        self._lines.take(2)
+        self._empty_lines += 1
+        if self._empty_lines > MAX_LEADING_EMPTY_LINES:
+            raise _bad_request("too many empty lines before the request line")
 
-    def _line_too_long(self) -> HttpError:
-        return HttpError(
-            HTTPStatus.REQUEST_URI_TOO_LONG,
-            f"request line is longer than {self._max_head_bytes} bytes",
-        )
-
-    def _head_too_long(self) -> HttpError:
+    def _too_long(self, line_ended: bool) -> HttpError:
+        if not line_ended:
+            return HttpError(
+                HTTPStatus.REQUEST_URI_TOO_LONG,
+                f"request line is longer than {self._max_head_bytes} bytes",
+            )
         return HttpError(
             HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
             f"request head is larger than {self._max_head_bytes} bytes",
         )
 
-    def _on_first_line(self, line: bytes) -> None:
-        if line:
-            self._request_line = _parse_request_line(line)
-            return
-        self._empty_lines += 1
-        if self._empty_lines > MAX_LEADING_EMPTY_LINES:
-            raise _bad_request("too many empty lines before the request line")
-        self._head_start = self._lines.consumed  # skipped lines do not count
 
-    def _on_field_line(self, line: bytes) -> None:
-        if len(self._fields) >= MAX_HEADER_FIELDS:
-            raise HttpError(
-                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                f"more than {MAX_HEADER_FIELDS} header fields",
-            )
-        self._fields.append(_parse_field_line(line, _bad_request))
-
-    def _finish(self, request_line: _RequestLine) -> RequestHead:
-        head = _build_head(request_line, tuple(self._fields))
-        self._head = head
-        self._trailing = self._lines.take()
-        return head
-
-
-def _parse_request_line(line: bytes) -> _RequestLine:
-    """`METHOD SP request-target SP HTTP-version` (RFC 9112 §3), single spaces."""
-    if _CONTROL_RE.search(line) or b"\t" in line:
-        raise _bad_request("a control character in the request line is not allowed")
-    if not line.isascii():
-        raise _bad_request("the request line must be ASCII")
-    parts = line.split(b" ")
-    if len(parts) != 3 or not all(parts):
-        raise _bad_request("the request line must be METHOD SP TARGET SP HTTP/1.1, single spaces")
-    method, target, version = (part.decode("ascii") for part in parts)
-    if version not in (HTTP_10, HTTP_11):
-        if _VERSION_RE.fullmatch(parts[2]):
-            raise HttpError(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, "only HTTP/1.1 and 1.0")
-        raise _bad_request("malformed HTTP version in the request line")
-    if not _TOKEN_RE.fullmatch(parts[0]):
-        raise _bad_request("the method is not a token")
+def _request_line(raw: bytes) -> _RequestLine:
+    """The one reading of a request line: `METHOD SP request-target SP HTTP-version`
+    (RFC 9112 §3), however the bytes were split."""
+    line = raw.decode("latin-1")  # one character per byte: encoding back gives the bytes
+    match = _REQUEST_LINE_RE.fullmatch(line)
+    if match is None:
+        raise _request_line_error(line)
+    method, target, version = match.groups()
     kind, authority, origin_target = _interpret_target(method, target)
     return _RequestLine(method, target, version, kind, authority, origin_target)
 
 
-def _plain_request_line(data: bytes, end: int) -> _RequestLine | None:
-    """What `_parse_request_line` gives for data[:end] when it is a plain CONNECT
-    or `http://` line (see _CONNECT_LINE_RE); else None."""
-    connect = _CONNECT_LINE_RE.fullmatch(data, 0, end)
-    if connect is not None:
-        host, raw_port, version = (part.decode("ascii") for part in connect.groups())
-        authority = Authority(host, _target_port(raw_port, connect=True))
-        target = f"{host}:{raw_port}"
-        return _RequestLine("CONNECT", target, version, RequestKind.CONNECT, authority, None)
-    forward = _ABSOLUTE_LINE_RE.fullmatch(data, 0, end)
-    if forward is None or forward.group(1) == b"CONNECT":
-        return None
-    method, target, host = (part.decode("ascii") for part in forward.group(1, 2, 3))
-    raw_port, path = forward.group(4, 5)
-    port = HTTP_DEFAULT_PORT if raw_port is None else _target_port(raw_port.decode(), False)
-    # RFC 9112 §3.2.4: an empty path is sent as "/", or "*" for OPTIONS.
-    empty = "*" if method == "OPTIONS" else "/"
-    origin = empty if path is None else path.decode("ascii")
-    version = forward.group(6).decode("ascii")
-    authority = Authority(host, port)
-    return _RequestLine(method, target, version, RequestKind.FORWARD, authority, origin)
+def _request_head(line: _RequestLine, raw: bytes) -> RequestHead:
+    """The one reading of the rest of a request head (its lines, the request line
+    first, as `_LineBuffer.head` hands them out): the field lines in order, then the
+    checks that need the whole head."""
+    text = raw.decode("latin-1")
+    fields = _field_lines(text, text.find("\r\n") + 2, _bad_request, MAX_HEADER_FIELDS)
+    return _build_head(line, fields)
+
+
+def _request_line_error(line: str) -> HttpError:
+    """Why `_REQUEST_LINE_RE` refused `line`, in reading order. Classification only:
+    every branch refuses (the statuses differ: 505 for another HTTP version)."""
+    if _CONTROL_RE.search(line) or "\t" in line:
+        return _bad_request("a control character in the request line is not allowed")
+    if not line.isascii():
+        return _bad_request("the request line must be ASCII")
+    parts = line.split(" ")
+    if len(parts) != 3 or not all(parts):
+        return _bad_request("the request line must be METHOD SP TARGET SP HTTP/1.1, single spaces")
+    if parts[2] not in (HTTP_10, HTTP_11):
+        if _VERSION_RE.fullmatch(parts[2]):
+            return HttpError(HTTPStatus.HTTP_VERSION_NOT_SUPPORTED, "only HTTP/1.1 and 1.0")
+        return _bad_request("malformed HTTP version in the request line")
+    # Three visible-ASCII parts and a known version: the method is what failed.
+    return _bad_request("the method is not a token")
 
 
 def _interpret_target(method: str, target: str) -> tuple[RequestKind, Authority, str | None]:
@@ -639,7 +711,7 @@ def _interpret_target(method: str, target: str) -> tuple[RequestKind, Authority,
 
 def _connect_authority(target: str) -> Authority:
     """authority-form `host:port` / `[v6]:port` (RFC 9112 §3.2.3); port required."""
-    if any(c in target for c in "/?#"):
+    if "/" in target or "?" in target or "#" in target:
         raise _bad_request("CONNECT needs host:port (authority-form), not a URL")
     return _authority(target, default_port=None)
 
@@ -699,11 +771,12 @@ def _target_port(text: str, connect: bool) -> int:
 
 def _build_head(line: _RequestLine, fields: Fields) -> RequestHead:
     """Checks that need the whole head, in a fixed order, then the value."""
-    _check_host(line, _values(fields, "host"))
-    body = _request_framing(line, fields)
-    expect_continue = _expect_continue(line, _values(fields, "expect"))
-    connection = _connection_tokens(fields, _bad_request)
-    upgrade = _upgrade(line, fields, connection, body)
+    index = _index(fields)
+    _check_host(line, index.get("host", _NONE))
+    body = _request_framing(line, index)
+    expect_continue = _expect_continue(line, index.get("expect", _NONE))
+    connection = _connection_tokens(index, _bad_request)
+    upgrade = _upgrade(line, index, connection, body)
     return RequestHead(
         method=line.method,
         version=line.version,
@@ -711,7 +784,7 @@ def _build_head(line: _RequestLine, fields: Fields) -> RequestHead:
         authority=line.authority,
         body=body,
         expect_continue=expect_continue,
-        keep_alive=_keep_alive(line.version, connection, fields),
+        keep_alive=_keep_alive(line.version, connection, index),
         target=line.target,
         origin_target=line.origin_target,
         headers=fields,
@@ -755,19 +828,25 @@ def _same_host(left: str, right: str) -> bool:
         return left.lower() == right.lower()
 
 
-def _request_framing(line: _RequestLine, fields: Fields) -> BodyFraming:
+def _bodiless(framing: BodyFraming) -> bool:
+    return framing.kind is FramingKind.NONE or (
+        framing.kind is FramingKind.LENGTH and not framing.length
+    )
+
+
+def _request_framing(line: _RequestLine, index: _Index) -> BodyFraming:
     """Body framing (RFC 9112 §6), refusing every form that hops could read differently."""
-    te = _values(fields, "transfer-encoding")
-    cl = _values(fields, "content-length")
-    if te and cl:
+    te = index.get("transfer-encoding")
+    cl = index.get("content-length")
+    if te is not None and cl is not None:
         raise _bad_request("Content-Length together with Transfer-Encoding is refused")
-    if te:
+    if te is not None:
         framing = _chunked_request(line, te)
-    elif cl:
+    elif cl is not None:
         framing = BodyFraming(FramingKind.LENGTH, _content_length(cl, _bad_request))
     else:
         framing = NO_BODY
-    if line.kind is RequestKind.CONNECT and framing not in (NO_BODY, _EMPTY_BODY):
+    if line.kind is RequestKind.CONNECT and not _bodiless(framing):
         # Bytes after a CONNECT head are tunnel data; a body would be ambiguous.
         raise _bad_request("a CONNECT request cannot carry a body")
     return framing
@@ -787,15 +866,17 @@ def _chunked_request(line: _RequestLine, te: list[str]) -> BodyFraming:
 
 
 def _expect_continue(line: _RequestLine, values: list[str]) -> bool:
+    if not values:
+        return False
     items = [item.strip(_OWS).lower() for value in values for item in value.split(",")]
     if any(item != "100-continue" for item in items):
         raise HttpError(HTTPStatus.EXPECTATION_FAILED, "only Expect: 100-continue is supported")
     # RFC 9110 §10.1.1: a 100-continue expectation in HTTP/1.0 is ignored.
-    return bool(items) and line.version == HTTP_11
+    return line.version == HTTP_11
 
 
 def _upgrade(
-    line: _RequestLine, fields: Fields, connection: frozenset[str], body: BodyFraming
+    line: _RequestLine, index: _Index, connection: frozenset[str], body: BodyFraming
 ) -> tuple[str, ...]:
     """The protocols an upgrade request offers (RFC 9110 §7.8), or () for none."""
     if line.kind is not RequestKind.FORWARD or "upgrade" not in connection:
@@ -804,23 +885,25 @@ def _upgrade(
     if line.version != HTTP_11:
         # RFC 9110 §7.8: a server MUST ignore Upgrade in an HTTP/1.0 request.
         return ()
-    protocols = tuple(_list_items(_values(fields, "upgrade")))
+    protocols = tuple(_list_items(index.get("upgrade", _NONE)))
     if not protocols:
         return ()
-    if not all(_PROTOCOL_RE.fullmatch(p.encode("latin-1")) for p in protocols):
+    if not all(_PROTOCOL_RE.fullmatch(p) for p in protocols):
         raise _bad_request("malformed Upgrade header")
-    if body not in (NO_BODY, _EMPTY_BODY):
+    if not _bodiless(body):
         # After a 101 the next byte belongs to the new protocol: with a body,
         # we and the upstream could disagree on where it starts (smuggling).
         raise _bad_request("an Upgrade request cannot carry a body")
     return protocols
 
 
-def _keep_alive(version: str, connection: frozenset[str], fields: Fields) -> bool:
-    # Old clients send Proxy-Connection; honoring its `close` is always safe.
-    proxy_connection = {item.lower() for item in _list_items(_values(fields, "proxy-connection"))}
-    if "close" in connection or "close" in proxy_connection:
+def _keep_alive(version: str, connection: frozenset[str], index: _Index) -> bool:
+    if "close" in connection:
         return False
+    # Old clients send Proxy-Connection; honoring its `close` is always safe.
+    for item in _list_items(index.get("proxy-connection", _NONE)):
+        if item.lower() == "close":
+            return False
     return version == HTTP_11 or "keep-alive" in connection
 
 
@@ -867,7 +950,7 @@ def forward_head(head: RequestHead, *, keep_alive: bool = False) -> bytes:
     """
     if head.kind is not RequestKind.FORWARD or head.origin_target is None:
         raise ValueError("forward_head is for absolute-form requests, not CONNECT")
-    fields = list(_strip_for_next_hop(head.headers, head.connection_tokens))
+    fields = _next_hop_fields(head.headers, head.connection_tokens)
     if head.body.kind is FramingKind.LENGTH:
         fields = _canonical_length(fields, head.body.length)
     if not head.header("host"):
@@ -951,9 +1034,9 @@ def error_reply(
 
 def _checked_extra(name: str, value: str) -> tuple[str, str]:
     reserved = {"content-length", "content-type", "connection", "x-egressbox-reason"}
-    if not _TOKEN_RE.fullmatch(name.encode("ascii", "replace")) or name.lower() in reserved:
+    if not _TOKEN_RE.fullmatch(name) or name.lower() in reserved:
         raise ValueError("extra header name must be a token and not a framing field")
-    if not value.isascii() or _CONTROL_RE.search(value.encode("ascii")):
+    if not value.isascii() or _CONTROL_RE.search(value):
         raise ValueError("extra header value must be printable ASCII")
     return name, value
 
@@ -994,7 +1077,6 @@ class _ChunkedDecoder:
         self._fail = fail
         self._state = _ChunkState.SIZE
         self._remaining = 0
-        self._trailer_bytes = 0
 
     @property
     def done(self) -> bool:
@@ -1013,27 +1095,37 @@ class _ChunkedDecoder:
                 if not self._remaining:
                     self._state = _ChunkState.DATA_END
                 continue
+            if self._state is _ChunkState.TRAILERS:
+                if not self._read_trailers():
+                    break
+                continue
             line = self._next_line()
             if line is None:
                 break
             self._on_line(line)
         return pieces
 
+    def _read_trailers(self) -> bool:
+        # A trailer section is a field block, read like a head's (and then dropped).
+        raw = self._lines.head(MAX_TRAILER_BYTES, self._trailers_too_large)
+        if raw is None:
+            return False
+        _field_lines(raw.decode("latin-1"), 0, self._fail, None)
+        self._state = _ChunkState.DONE
+        return True
+
     def _next_line(self) -> bytes | None:
         if self._state is _ChunkState.SIZE:
             return self._lines.line(MAX_CHUNK_LINE_BYTES, self._size_line_too_long)
-        if self._state is _ChunkState.DATA_END:
-            return self._lines.line(2, self._no_crlf_after_data)
-        budget = MAX_TRAILER_BYTES - self._trailer_bytes
-        return self._lines.line(budget, self._trailers_too_large)
+        return self._lines.line(2, self._no_crlf_after_data)
 
-    def _size_line_too_long(self) -> HttpError:
+    def _size_line_too_long(self, _line_ended: bool) -> HttpError:
         return self._fail("chunk size line too long")
 
-    def _no_crlf_after_data(self) -> HttpError:
+    def _no_crlf_after_data(self, _line_ended: bool) -> HttpError:
         return self._fail("chunk data must be followed by CRLF")
 
-    def _trailers_too_large(self) -> HttpError:
+    def _trailers_too_large(self, _line_ended: bool) -> HttpError:
         return self._fail("trailer section is too large")
 
     def _on_line(self, line: bytes) -> None:
@@ -1041,15 +1133,10 @@ class _ChunkedDecoder:
             size = self._chunk_size(line)
             self._remaining = size
             self._state = _ChunkState.DATA if size else _ChunkState.TRAILERS
-        elif self._state is _ChunkState.DATA_END:
+        else:  # DATA_END
             if line:  # unreachable: a 2-byte budget leaves room for CRLF only
                 raise self._fail("chunk data must be followed by CRLF")
             self._state = _ChunkState.SIZE
-        elif line:
-            _parse_field_line(line, self._fail)  # validated, then dropped
-            self._trailer_bytes += len(line) + 2
-        else:
-            self._state = _ChunkState.DONE
 
     def _chunk_size(self, line: bytes) -> int:
         match = _CHUNK_LINE_RE.fullmatch(line)
@@ -1212,8 +1299,9 @@ class ResponseFramer:
 
     Feed upstream bytes to `feed` (and `feed_eof` when the upstream closes);
     write each event's `.data` to the client in order. Nothing is buffered
-    beyond one line. Bodies go out with a Content-Length, as chunks we encode,
-    or (to an HTTP/1.0 client) delimited by closing the client connection.
+    beyond one head (body bytes go out as they come). Bodies go out with a
+    Content-Length, as chunks we encode, or (to an HTTP/1.0 client) delimited
+    by closing the client connection.
     Bytes after the end of the response are dropped: the upstream connection
     serves one request only. `UpstreamResponseError` means 502 if no
     `ResponseHead` was written yet; after that, only closing is left.
@@ -1233,9 +1321,7 @@ class ResponseFramer:
         self._lines = _LineBuffer(UpstreamResponseError)
         self._chunks = _ChunkedDecoder(self._lines, UpstreamResponseError)
         self._phase = _Phase.HEAD
-        self._head_start = 0
-        self._status: _StatusLine | None = None
-        self._fields: list[tuple[str, str]] = []
+        self._status: _StatusLine | None = None  # of the head being read
         self._informational = 0
         self._body = _UpstreamBody.NONE
         self._remaining = 0
@@ -1275,44 +1361,8 @@ class ResponseFramer:
         if self._phase is _Phase.DONE:
             self._extra = self._extra or bool(data)
             return []
-        if (
-            self._phase is _Phase.HEAD
-            and self._status is None
-            and not self._lines.available
-            and type(data) is bytes
-        ):
-            return self._guarded(lambda: self._whole_head(data))
         self._lines.extend(data)
         return self._guarded(self._advance)
-
-    def _whole_head(self, data: bytes) -> list[ResponseEvent]:
-        """Fast path: a whole head at the start of a feed, split at once instead of line by line.
-
-        Taken only when the line path would see the same lines (every line ends
-        in CRLF, no bare CR or LF, the head fits the limit); the same checks run
-        in the same order, so the events or the error are the same.
-        """
-        end = data.find(b"\r\n\r\n")
-        budget = self._max_head_bytes - (self._lines.consumed - self._head_start)
-        breaks = data.count(b"\r\n", 0, end)
-        if (
-            end <= 0
-            or end + 4 > budget
-            or data.count(b"\r", 0, end) != breaks
-            or data.count(b"\n", 0, end) != breaks
-        ):
-            self._lines.extend(data)
-            return self._advance()
-        line_end = data.find(b"\r\n", 0, end + 2)
-        status = _parse_status_line(data[:line_end])
-        fields = _plain_fields(data, line_end + 2, end + 2) if line_end < end else ()
-        if fields is None:
-            lines = data[line_end + 2 : end].split(b"\r\n")
-            fields = tuple(_parse_field_line(line, UpstreamResponseError) for line in lines)
-        self._lines.consumed += end + 4
-        self._lines.extend(data[end + 4 :])
-        event = self._complete_head(status, fields)
-        return [event, *self._advance()]
 
     def feed_eof(self) -> list[ResponseEvent]:
         """The upstream closed: ends a close-delimited body, else it was cut short."""
@@ -1337,7 +1387,7 @@ class ResponseFramer:
     def _advance(self) -> list[ResponseEvent]:
         events: list[ResponseEvent] = []
         while self._phase is _Phase.HEAD:
-            event = self._read_head()
+            event = self._head_event()
             if event is None:
                 return events
             events.append(event)
@@ -1345,31 +1395,28 @@ class ResponseFramer:
             events.extend(self._read_body())
         return events
 
-    def _read_head(self) -> ResponseEvent | None:
-        while True:
-            budget = self._max_head_bytes - (self._lines.consumed - self._head_start)
-            line = self._lines.line(budget, self._response_head_too_long)
-            if line is None:
+    def _head_event(self) -> ResponseEvent | None:
+        # The status line is read as soon as it is complete: an upstream that speaks
+        # no HTTP (a banner, then silence) is refused at once.
+        too_long = self._response_head_too_long
+        if self._status is None:
+            first = self._lines.first_line(self._max_head_bytes, too_long)
+            if first is None:
                 return None
-            if self._status is None:
-                self._status = _parse_status_line(line)
-            elif line:
-                self._fields.append(_parse_field_line(line, UpstreamResponseError))
-            else:
-                return self._complete_head(self._status, tuple(self._fields))
-
-    def _response_head_too_long(self) -> HttpError:
-        return UpstreamResponseError(f"response head is larger than {self._max_head_bytes} bytes")
-
-    def _complete_head(self, status: _StatusLine, fields: Fields) -> ResponseEvent:
-        self._status = None
-        self._fields = []
-        self._head_start = self._lines.consumed
+            self._status = _status_line(first)
+        raw = self._lines.head(self._max_head_bytes, too_long)
+        if raw is None:
+            return None
+        status, self._status = self._status, None
+        fields = _response_fields(raw)
         if status.status == HTTPStatus.SWITCHING_PROTOCOLS:
             return self._upgraded(status, fields)
         if status.status < 200:
             return self._informational_event(status, fields)
         return self._final_head(status, fields)
+
+    def _response_head_too_long(self, _line_ended: bool) -> HttpError:
+        return UpstreamResponseError(f"response head is larger than {self._max_head_bytes} bytes")
 
     def _upgraded(self, status: _StatusLine, fields: Fields) -> Upgraded:
         offered = {_protocol_name(p) for p in self._request.upgrade}
@@ -1380,21 +1427,18 @@ class ResponseFramer:
         # The framing fields are checked as on any response, then dropped:
         # a 101 has no body (RFC 9110 §15.2), the new protocol follows at once.
         _response_framing(self._request, status, fields)
-        protocols = _list_items(_values(fields, "upgrade"))
+        protocols = _list_items(_index(fields).get("upgrade", _NONE))
         if not protocols:
             raise UpstreamResponseError("101 Switching Protocols without an Upgrade header")
-        if not all(_PROTOCOL_RE.fullmatch(p.encode("latin-1")) for p in protocols):
+        if not all(_PROTOCOL_RE.fullmatch(p) for p in protocols):
             raise UpstreamResponseError("malformed Upgrade header in a 101 response")
         # RFC 9110 §7.8: a server MUST NOT switch to a protocol not offered.
         if not {_protocol_name(p) for p in protocols} <= offered:
             raise UpstreamResponseError(
                 "101 Switching Protocols to a protocol that was not offered"
             )
-        kept = [
-            item
-            for item in _strip_for_next_hop(fields, _connection_tokens(fields, None))
-            if item[0].lower() != "content-length"
-        ]
+        tokens = _connection_tokens(_index(fields), None)
+        kept = _next_hop_fields(fields, tokens, _HOP_BY_HOP_AND_LENGTH)
         kept.extend([("Upgrade", ", ".join(protocols)), ("Connection", "Upgrade")])
         self._phase = _Phase.UPGRADED
         self._trailing += self._lines.take()
@@ -1416,16 +1460,13 @@ class ResponseFramer:
         )
         if not relay:
             return InformationalResponse(status.status, b"")
-        kept = [
-            item
-            for item in _strip_for_next_hop(fields, _connection_tokens(fields, None))
-            if item[0].lower() != "content-length"
-        ]
+        tokens = _connection_tokens(_index(fields), None)
+        kept = _next_hop_fields(fields, tokens, _HOP_BY_HOP_AND_LENGTH)
         return InformationalResponse(status.status, _serialize(_status_text(status), kept))
 
     def _final_head(self, status: _StatusLine, fields: Fields) -> ResponseHead:
         self._body, self._remaining, length = _response_framing(self._request, status, fields)
-        tokens = _connection_tokens(fields, None)
+        tokens = _connection_tokens(_index(fields), None)
         self._persistent = (
             status.version == HTTP_11
             and "close" not in tokens
@@ -1439,11 +1480,7 @@ class ResponseFramer:
         self._keep_alive = (
             self._request.keep_alive and not self._request.upgrade and (client_11 or not unsized)
         )
-        kept = [
-            item
-            for item in _strip_for_next_hop(fields, tokens)
-            if item[0].lower() != "content-length"
-        ]
+        kept = _next_hop_fields(fields, tokens, _HOP_BY_HOP_AND_LENGTH)
         kept.extend(self._framing_fields(length, client_11))
         self._phase = _Phase.BODY
         data = _serialize(_status_text(status), kept)
@@ -1485,12 +1522,20 @@ class ResponseFramer:
         return EndOfMessage(_LAST_CHUNK if self._chunk_to_client else b"", self._keep_alive)
 
 
-def _parse_status_line(line: bytes) -> _StatusLine:
-    match = _STATUS_LINE_RE.fullmatch(line)
+def _status_line(raw: bytes) -> _StatusLine:
+    """The one reading of a status line, however the bytes were split."""
+    match = _STATUS_LINE_RE.fullmatch(raw.decode("latin-1"))
     if match is None:
         raise UpstreamResponseError("malformed status line from the upstream")
     version, status, reason = match.groups()
-    return _StatusLine(version.decode("ascii"), int(status), (reason or b"").decode("latin-1"))
+    return _StatusLine(version, int(status), reason or "")
+
+
+def _response_fields(raw: bytes) -> Fields:
+    """The one reading of a response head's field lines (the head's lines, the status
+    line first, as `_LineBuffer.head` hands them out)."""
+    text = raw.decode("latin-1")
+    return _field_lines(text, text.find("\r\n") + 2, UpstreamResponseError, None)
 
 
 def _protocol_name(protocol: str) -> str:
@@ -1510,17 +1555,15 @@ def _response_framing(
     The framing fields are checked even when the status means no body, so a
     malformed response is refused the same way whatever the request was.
     """
-    te = _values(fields, "transfer-encoding")
-    cl = _values(fields, "content-length")
-    if te and cl:
+    index = _index(fields)
+    te = index.get("transfer-encoding")
+    cl = index.get("content-length")
+    if te is not None and cl is not None:
         raise UpstreamResponseError("the upstream sent both Content-Length and Transfer-Encoding")
-    if te:
+    if te is not None:
         _check_response_te(status, te)
-    length = _content_length(cl, UpstreamResponseError) if cl else None
-    if request.method == "HEAD" or status.status in (
-        HTTPStatus.NO_CONTENT,
-        HTTPStatus.NOT_MODIFIED,
-    ):
+    length = _content_length(cl, UpstreamResponseError) if cl is not None else None
+    if request.method == "HEAD" or status.status in _NO_BODY_STATUSES:
         # No body; a Content-Length describes the representation (HEAD, 304)
         # and is kept, but RFC 9110 §8.6 forbids it on a 204.
         shown = None if status.status == HTTPStatus.NO_CONTENT else length
