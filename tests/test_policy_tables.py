@@ -507,3 +507,44 @@ def test_process_roots_are_granted_but_hold_no_scratch_space(tmp_path: Path) -> 
     assert ("workspace", str(workspace)) in kinds
     assert ("process_write", str(cache)) in kinds
     assert ("process_read", str(tools)) in kinds
+
+
+# -- [filesystem] workspace and toolchain_cache ---------------------------------------------------
+
+
+def test_workspace_and_toolchain_cache_keys() -> None:
+    fs = parse({"filesystem": {"workspace": "read-only", "toolchain_cache": "real"}}).filesystem
+    assert (fs.workspace, fs.toolchain_cache) == ("read-only", "real")
+    unset = parse({}).filesystem
+    assert (unset.workspace, unset.toolchain_cache) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("table", "needle"),
+    [
+        (
+            {"workspace": "readonly"},
+            "filesystem.workspace: unknown value 'readonly'; did you mean \"read-only\"?",
+        ),
+        ({"toolchain_cache": "host"}, "filesystem.toolchain_cache: unknown value 'host'"),
+        ({"workspace": True}, "filesystem.workspace: must be a string"),
+    ],
+)
+def test_workspace_and_toolchain_cache_errors(table: dict[str, Any], needle: str) -> None:
+    assert needle in one_problem({"filesystem": table})
+
+
+def test_the_tables_read_only_workspace_and_caches_reach_the_run() -> None:
+    policy = parse({"filesystem": {"workspace": "read-only", "toolchain_cache": "real"}})
+    options = options_for(["true"], policy=policy)
+    assert options.read_only_workspace and options.toolchain_cache == "real"
+    # The flag can make a workspace read-only, never writable again; the caller's cache mode wins.
+    plain = options_for(
+        ["true"], policy=parse({}), read_only_workspace=True, toolchain_cache="real"
+    )
+    assert plain.read_only_workspace and plain.toolchain_cache == "real"
+    assert (
+        options_for(["true"], policy=policy, toolchain_cache="scratch").toolchain_cache == "scratch"
+    )
+    with pytest.raises(ValueError, match="toolchain_cache must be"):
+        options_for(["true"], policy=None, toolchain_cache="elsewhere")

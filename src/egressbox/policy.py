@@ -7,7 +7,6 @@ first) and names its key path and the fix, e.g.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -16,13 +15,13 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from egressbox import limits as lim
-from egressbox.addresses import PRIVATE_LIKE, Category, is_routable, lookup
 from egressbox.errors import HostError, PolicyError
 
 if TYPE_CHECKING:
-    # Imported where used: hosts and rules load idna (~10 ms), which
-    # load_run_settings() (read by `egressbox run` before its fork) must not pay for.
+    # Imported where used: rules, hosts and addresses (the compiled core, ipaddress),
+    # which load_run_settings() (read by `egressbox run` before its fork) must not pay for.
     from egressbox.hosts import IPAddress
+    from egressbox.protocols.upstream import UpstreamProxy
     from egressbox.rules import CidrIndex, IPNetwork, Rule, RuleSet
 
 N = TypeVar("N", int, float)
@@ -45,6 +44,8 @@ class TlsNameCheck(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class DnsSettings:
+    """[dns]: the proxy's resolver."""
+
     nameservers: tuple[tuple[IPAddress, int], ...] = ()
     timeout: float = lim.DNS_TIMEOUT
     cache_size: int = lim.DNS_CACHE_SIZE
@@ -101,6 +102,10 @@ class FilesystemSettings:
     unix_socket_roots: tuple[str, ...] = ()
     # Host-trusted paths inside a writable root that the child may write after all.
     writable_trusted: tuple[str, ...] = ()
+    # "read-only": the workspace is readable, nothing in it writable (None: read-write).
+    workspace: str | None = None
+    # "real": the toolchains' own caches, read+write (None: the run's scratch space).
+    toolchain_cache: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +136,8 @@ class Policy:
     allow_private: bool = False
     mode: Mode = Mode.ENFORCE
     tls_name_check: TlsNameCheck = TlsNameCheck.ENFORCE
+    # [egress] upstream / upstream_target: chain allowed connections through this proxy.
+    upstream: UpstreamProxy | None = None
     dns: DnsSettings = field(default_factory=DnsSettings)
     limits: lim.Limits = field(default_factory=lim.Limits)
     source: str = ""
@@ -166,6 +173,8 @@ EGRESS_KEYS = (
     "allow_private",
     "mode",
     "tls_name_check",
+    "upstream",
+    "upstream_target",
 )
 DNS_KEYS = ("nameservers", "timeout", "cache_size", "max_ttl")
 PROCESS_KEYS = ("profile", "timeout", "rlimit_nofile", "rlimit_as", "max_processes", "max_memory")
@@ -181,11 +190,32 @@ FILESYSTEM_KEYS = (
     "process_write_roots",
     "unix_socket_roots",
     "writable_trusted",
+    "workspace",
+    "toolchain_cache",
 )
+WORKSPACE_MODES = ("read-write", "read-only")
+TOOLCHAIN_CACHE_MODES = ("scratch", "real")
 ENV_KEYS = ("policy", "grant")
 TOP_KEYS = ("egress", "dns", "limits", "process", "filesystem", "env")
 RULE_TABLE_KEYS = ("host", "private", "broad")
 CIDR_TABLE_KEYS = ("cidr", "broad")
+
+
+def with_upstream(policy: Policy, upstream: UpstreamProxy | None) -> Policy:
+    """The same policy chaining through `upstream` (`run --upstream`); the original is
+    untouched. Its CIDR indexes are built afresh (dataclasses.replace would refill the
+    original's, see suggest.with_mode)."""
+    import dataclasses
+
+    fresh = {
+        f.name: f.default_factory()
+        for f in dataclasses.fields(policy)
+        if f.name.startswith("_") and f.default_factory is not dataclasses.MISSING
+    }
+    warnings = tuple(w for w in policy.warnings if w != UPSTREAM_BY_NAME_WARNING)
+    if upstream is not None and upstream.pinning != "full":
+        warnings += (UPSTREAM_BY_NAME_WARNING,)
+    return dataclasses.replace(policy, upstream=upstream, warnings=warnings, **fresh)
 
 
 def load_policy(path: str, *, env: Mapping[str, str] | None = None) -> Policy:
@@ -286,6 +316,7 @@ class _Parser:
         allow_private = self.boolean(egress, "allow_private", "egress.allow_private")
         mode = self.mode(egress)
         tls_name_check = self.tls_name_check(egress)
+        upstream = self.upstream(egress)
         settings = self.run_settings(data)
         policy = Policy(
             allow=RuleSet.build(allow),
@@ -295,6 +326,7 @@ class _Parser:
             allow_private=allow_private,
             mode=mode,
             tls_name_check=tls_name_check,
+            upstream=upstream,
             dns=self.dns(self.table(data, "dns")),
             limits=self.limits(self.table(data, "limits")),
             process=settings.process,
@@ -425,6 +457,28 @@ class _Parser:
         except ValueError:
             self.problem("egress.tls_name_check", f'must be "enforce" or "off", got {value!r}')
             return TlsNameCheck.ENFORCE
+
+    def upstream(self, egress: Mapping[str, Any]) -> UpstreamProxy | None:
+        """[egress] upstream = "http://HOST:PORT" | "socks5://HOST:PORT", upstream_target."""
+        from egressbox.protocols.upstream import UpstreamTarget, parse_upstream
+
+        url, target = egress.get("upstream"), egress.get("upstream_target", "address")
+        if not isinstance(target, str) or target not in tuple(UpstreamTarget):
+            self.problem("egress.upstream_target", f'must be "address" or "name", got {target!r}')
+            target = "address"
+        if url is None:
+            if "upstream_target" in egress:
+                self.problem("egress.upstream_target", "needs egress.upstream")
+            return None
+        if not isinstance(url, str):
+            self.problem("egress.upstream", f"must be a URL string, got {_type_name(url)}")
+            return None
+        try:
+            return parse_upstream(url, target)
+        except ValueError as exc:
+            # The message never echoes the URL: it could hold a password.
+            self.problem("egress.upstream", f'{exc}; e.g. "http://proxy.example:3128"')
+            return None
 
     def mode(self, egress: Mapping[str, Any]) -> Mode:
         value = egress.get("mode", "enforce")
@@ -606,6 +660,10 @@ class _Parser:
             process_write_roots=process_write,
             unix_socket_roots=self.paths(table, "unix_socket_roots"),
             writable_trusted=self.paths(table, "writable_trusted"),
+            workspace=self.choice(table, "workspace", "filesystem", WORKSPACE_MODES),
+            toolchain_cache=self.choice(
+                table, "toolchain_cache", "filesystem", TOOLCHAIN_CACHE_MODES
+            ),
         )
 
     def not_workspaces(
@@ -758,8 +816,11 @@ class _Parser:
             self.warnings.append(REPORT_MODE_WARNING)
         if policy.tls_name_check is TlsNameCheck.OFF:
             self.warnings.append(TLS_NAME_CHECK_OFF_WARNING)
+        if policy.upstream is not None and policy.upstream.pinning != "full":
+            self.warnings.append(UPSTREAM_BY_NAME_WARNING)
 
     def warn_rule(self, policy: Policy, rule: Rule, path: str) -> None:
+        from egressbox.addresses import PRIVATE_LIKE, Category, is_routable, lookup
         from egressbox.rules import RuleKind
 
         if rule.kind in (RuleKind.WILDCARD, RuleKind.ANY_NAME):
@@ -801,6 +862,11 @@ TLS_NAME_CHECK_OFF_WARNING = (
     "can name another host served at the same addresses (domain fronting under an allowed CDN)"
 )
 
+UPSTREAM_BY_NAME_WARNING = (
+    'upstream_target = "name": the upstream proxy is asked for names and resolves them '
+    "itself, so it may connect to other addresses than egressbox checked (pinning: partial)"
+)
+
 REPORT_MODE_WARNING = (
     'mode = "report": destinations outside the allow list are let through and audited as '
     "would_deny; use it to learn what a trusted program needs, never to confine an untrusted one"
@@ -808,6 +874,8 @@ REPORT_MODE_WARNING = (
 
 
 def _rule_address(rule: Rule) -> IPAddress | None:
+    import ipaddress
+
     from egressbox.rules import RuleKind
 
     if rule.kind is RuleKind.IP:

@@ -376,10 +376,16 @@ TEXTS = st.one_of(st.text(), st.lists(st.one_of(FRAGMENTS, st.text(max_size=5)))
 def test_random_text_never_raises(text: str) -> None:
     for line in error_lines(text):
         assert line.errno in {"EACCES", "EROFS", "EPERM", "ENOENT", "ECONNREFUSED"}
-        assert line.paths
+        assert line.paths or line.relative
     record = classify_output(text, PLAN, _any_host)
     if record is not None:
-        assert record.boundary in {"local_socket", "home_read", "write", "unknown"}
+        assert record.boundary in {
+            "local_socket",
+            "home_read",
+            "write",
+            "toolchain_cache",
+            "unknown",
+        }
         assert record.paths
         record.line(1)
 
@@ -421,3 +427,139 @@ def test_a_file_permission_error_is_no_direct_connection() -> None:
 
     assert classify_direct("cat: /etc/x: Permission denied\n", "p") is None
     assert classify_direct("all good\n", "p") is None
+
+
+# -- toolchain caches, relative paths, a read-only workspace --------------------------------
+
+
+def _cache_plan(env: dict[str, str]) -> PathPlan:
+    import dataclasses
+
+    from egressbox.confine.toolchains import CacheMode, plan_caches
+
+    caches = plan_caches(env, home=HOME, scratch=f"{WORK}/.egressbox/cache", mode=CacheMode.SCRATCH)
+    return dataclasses.replace(PLAN, caches=caches.roots, cwd=f"{WORK}/src")
+
+
+def test_a_refused_cache_the_caller_set_is_a_toolchain_gap() -> None:
+    plan = _cache_plan({"GOMODCACHE": "/srv/gomod"})
+    text = "go: could not create module cache: mkdir /srv/gomod: permission denied\n"
+    record = classify_output(text, plan, lambda p: HostPath(False, parent_exists=True))
+    assert record is not None and record.boundary == Boundary.TOOLCHAIN_CACHE
+    assert record.variable == "GOMODCACHE" and record.paths == ("/srv/gomod",)
+    assert "--process-write-root /srv/gomod" in record.hint
+    assert "refused by toolchain_cache: /srv/gomod" in record.line(1)
+
+
+def test_a_tools_default_cache_under_home_is_a_toolchain_gap() -> None:
+    plan = _cache_plan({})
+    text = "npm error Error: EACCES: permission denied, mkdir '/home/alice/.npm/_cacache'\n"
+    record = classify_output(text, plan, lambda p: HostPath(False, parent_exists=True))
+    assert record is not None and record.boundary == Boundary.TOOLCHAIN_CACHE
+    assert record.variable == "npm_config_cache"
+    assert "--toolchain-cache real" in record.hint
+
+
+def test_a_credential_under_a_cache_stays_a_credential() -> None:
+    import dataclasses
+
+    plan = dataclasses.replace(_cache_plan({}), deny=(*PLAN.deny, f"{HOME}/.cache/hf/token"))
+    text = f"cat: {HOME}/.cache/hf/token: Permission denied\n"
+    record = classify_output(text, plan, lambda p: FILE)
+    assert record is not None and record.boundary == Boundary.HOME_READ
+
+
+def test_a_quoted_relative_path_is_judged_from_the_working_directory() -> None:
+    import dataclasses
+
+    plan = dataclasses.replace(PLAN, cwd=f"{WORK}/src", read_only_workspaces=(WORK,), write=())
+    text = "touch: cannot touch '../out/x': Read-only file system\n"
+    record = classify_output(text, plan, lambda p: NEW)
+    assert record is not None and record.boundary == Boundary.WRITE
+    assert record.paths == (f"{WORK}/out/x",)
+    assert "the workspace is read-only (--read-only-workspace)" in record.hint
+    # Without a working directory, a relative path names nothing.
+    assert classify_output(text, PLAN, lambda p: NEW) is None
+
+
+def test_relative_paths_are_words_not_options_or_urls() -> None:
+    from egressbox.confine.refusal import relative_paths
+
+    line = "x: 'a/b' '-f' 'http://h/x' 'EACCES' 'two words' 'c': Permission denied"
+    assert relative_paths(line) == ("a/b", "c")
+
+
+# -- requirement and selector_honored ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("boundary", "profile", "requirement", "honored"),
+    [
+        ("write", "os_hardened", "profile", False),
+        ("write", "worktree", "fallback", True),
+        ("write", "workspace_paths", "fallback", False),
+        ("egress", "workspace_paths", "profile", False),
+        ("egress", "worktree", "profile", True),
+        ("unknown", "os_hardened", "", False),
+        ("timeout", "worktree", "", True),
+    ],
+)
+def test_requirement_and_selector(
+    boundary: str, profile: str, requirement: str, honored: bool
+) -> None:
+    from egressbox.confine.refusal import with_requirement
+
+    record = with_requirement(RefusalRecord(boundary), profile)
+    assert (record.requirement, record.selector_honored) == (requirement, honored)
+
+
+def test_a_mechanism_refusal_carries_requirement_and_selector() -> None:
+    from egressbox.confine.plan import Mechanism, Profile, Refusal
+
+    hard = Refusal(Mechanism.SECCOMP, "absent_on_host", Profile.OS_HARDENED, "x")
+    assert (hard.requirement, hard.selector_honored) == ("profile", False)
+    assert "EGRESSBOX_SANDBOX cannot lift that" in hard.message()
+    soft = Refusal(
+        Mechanism.SECCOMP,
+        "absent_on_host",
+        Profile.WORKTREE,
+        "x",
+        requirement="fallback",
+        selector_honored=True,
+    )
+    assert "EGRESSBOX_SANDBOX=enforce" in soft.message()
+
+
+# -- seccomp: killed by SIGSYS ----------------------------------------------------------------
+
+KILL = (
+    "audit: type=1326 audit(1796170362.332:13): auid=4294967295 uid=0 gid=0 ses=4294967295 "
+    'pid=17661 comm="python 3" exe="/usr/bin/python3.11" sig=31 arch=40000003 syscall=20 '
+    "compat=1 ip=0x7f9f4c6af007 code=0x80000000"
+)
+
+
+def test_a_kernel_kill_record_is_read() -> None:
+    from egressbox.confine.refusal import seccomp_kills
+
+    (kill,) = seccomp_kills(["noise", KILL], since=1796170362.0, uid=0)
+    assert (kill.pid, kill.comm, kill.arch, kill.syscall) == (17661, "python 3", "40000003", 20)
+    assert kill.exe == "/usr/bin/python3.11"
+    assert seccomp_kills([KILL], since=1796170363.0, uid=0) == []  # before the run
+    assert seccomp_kills([KILL], since=0, uid=1000) == []  # another user's process
+    errno_action = KILL.replace("sig=31", "sig=0")
+    assert seccomp_kills([errno_action], since=0, uid=0) == []
+
+
+def test_a_seccomp_record_names_the_call_or_says_why_not() -> None:
+    from egressbox.confine.refusal import SOURCE_STATUS, seccomp_kills, seccomp_record
+
+    kills = seccomp_kills([KILL], since=0, uid=0)
+    record = seccomp_record(kills, lambda k: f"getpid (x86 system call {k.syscall})")
+    assert record.boundary == Boundary.SECCOMP
+    assert record.system_call == "getpid (x86 system call 20)"
+    assert "refused by seccomp: getpid (x86 system call 20)" in record.line(159)
+    assert "non-native ABI" in record.hint
+    blind = seccomp_record([], str)
+    assert blind.boundary == Boundary.SECCOMP and blind.source == SOURCE_STATUS
+    assert "refused by seccomp (from the exit status" in blind.line(159)

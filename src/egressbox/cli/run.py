@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ def run_command(args: Any, argv: list[str]) -> int:
     from egressbox.errors import AuditError
     from egressbox.exitcodes import EXIT_USAGE
 
+    if _project_policy(args) is not None:
+        return EXIT_USAGE
     settings = _cli_run_settings(args)
     if isinstance(settings, int):
         return settings
@@ -51,15 +54,22 @@ def run_command(args: Any, argv: list[str]) -> int:
     if isinstance(result, int):
         return result
     if args.report:
-        for row in result.report:
-            write_err(f"enforcement: {row.mechanism}: {row.enforcement.value} ({row.detail})")
-        for root in result.roots:
-            write_err(f"root: {root.kind}: {root.path} ({root.detail})")
+        _print_report(args, result)
     for line in result.created_trusted:
         write_err(f"warning: {line}")
+    _save_approved(args, result)
     if result.refusal is not None:
         write_err(result.refusal.line(result.exit_code))
     return result.exit_code
+
+
+def _print_report(args: Any, result: RunResult) -> None:
+    for row in result.report:
+        write_err(f"enforcement: {row.mechanism}: {row.enforcement.value} ({row.detail})")
+    for root in result.roots:
+        write_err(f"root: {root.kind}: {root.path} ({root.detail})")
+    if getattr(args, "project_policy", False):
+        write_err(f"policy: {args.policy} (the project root's, trusted: you ran with it)")
 
 
 def _cli_policy(args: Any) -> Policy | None:
@@ -67,6 +77,11 @@ def _cli_policy(args: Any) -> Policy | None:
     from egressbox.policy import load_policy_or_environment
 
     policy = load_policy_or_environment(args.policy)
+    if args.policy and not getattr(args, "project_policy", False):
+        from egressbox.runner.project import PROJECT_POLICY, remember
+
+        if os.path.basename(args.policy) == PROJECT_POLICY:
+            remember(args.policy)  # runs without --policy may now use this version
     if policy is None:
         write_err(
             "warning: no policy: every destination is denied "
@@ -78,7 +93,63 @@ def _cli_policy(args: Any) -> Policy | None:
 
         policy = with_mode(policy, Mode.REPORT)
         write_err("warning: report mode lets names outside the allow list through")
+    upstream = getattr(args, "chain_to", None)
+    if policy is not None and upstream is not None:
+        from egressbox.policy import with_upstream
+
+        policy = with_upstream(policy, upstream)
+    if policy is not None and policy.upstream is not None and policy.upstream.pinning != "full":
+        write_err(f"warning: chaining through {policy.upstream.url} by name: pinning: partial")
     return policy
+
+
+def _cli_upstream(args: Any) -> str | None:
+    """--upstream/--upstream-target parsed (into args.chain_to) before the fork; the
+    credentials' variables checked too. A problem is said and returned."""
+    args.chain_to = None
+    if not (
+        getattr(args, "upstream", None) is not None
+        or getattr(args, "upstream_target", None) is not None
+        or any(name.startswith("EGRESSBOX_UPSTREAM_") for name in os.environ)
+    ):
+        return None  # nothing to check: the parser is not even loaded (~1.5 ms)
+    from egressbox.protocols.upstream import credentials_from_env, parse_upstream
+
+    try:
+        if getattr(args, "upstream", None) is not None:
+            target = args.upstream_target or "address"
+            args.chain_to = parse_upstream(args.upstream, target)
+        elif getattr(args, "upstream_target", None) is not None:
+            raise ValueError("--upstream-target needs --upstream")
+        credentials_from_env(os.environ)
+    except ValueError as exc:
+        problem = f"--upstream: {exc}"
+        write_err(problem)
+        return problem
+    return None
+
+
+def _project_policy(args: Any) -> int | None:
+    """Without --policy: the project root's egressbox.toml, if the user trusted this version
+    (ran with it as --policy before); an untrusted one refuses the run (a cloned repository,
+    or a command run here earlier, could have written it). None: go on."""
+    if args.policy:
+        return None
+    from egressbox.runner.project import find_project_root, is_trusted
+
+    found = find_project_root(os.path.realpath(os.getcwd())).policy
+    if found is None:
+        return None
+    if not is_trusted(found):
+        write_err(
+            f"{found} is the project's policy, but egressbox has not run with this version "
+            "of it before: a cloned repository or a command run here could have written it; "
+            f"review it, then run once with --policy {found} to trust it"
+        )
+        return 1
+    args.policy = found
+    args.project_policy = True
+    return None
 
 
 def _cli_run_settings(args: Any) -> RunSettings | int | None:
@@ -104,6 +175,8 @@ def _cli_options(
 ) -> RunOptions | None:
     from egressbox.confine.env import parse_grant
 
+    if _cli_upstream(args) is not None:
+        return None
     try:
         grants = dict(parse_grant(text) for text in args.grant)
         servers = _nameservers(args.nameserver)
@@ -119,6 +192,8 @@ def _cli_options(
             writable_trusted=args.writable_trusted,
             grants=grants,
             timeout=args.timeout,
+            read_only_workspace=getattr(args, "read_only_workspace", False),
+            toolchain_cache=getattr(args, "toolchain_cache", None),
         )
     except ValueError as exc:
         write_err(str(exc))
@@ -126,6 +201,9 @@ def _cli_options(
     for path in chosen["writable_trusted"]:
         write_err(f"warning: {path} is host-trusted; the command may write it (--writable-trusted)")
     trusted = tuple(p for p in (args.policy, args.audit_log) if p and p != "-")
+    asking = _asking(args)
+    if asking is None:
+        return None
     return RunOptions(
         argv=tuple(argv),
         policy=None,
@@ -136,7 +214,55 @@ def _cli_options(
         trusted_files=trusted,
         log_allowed=getattr(args, "verbose", False),
         capture=not getattr(args, "no_capture", False),
+        announce=not args.quiet,
+        **asking,
         **chosen,
+    )
+
+
+def _asking(args: Any) -> dict[str, Any] | None:
+    """--ask / --ask-command as RunOptions fields ({} for neither); None after a usage error."""
+    if not (args.ask or args.ask_command):
+        if args.save_approved:
+            write_err("--save-approved needs --ask or --ask-command")
+            return None
+        return {}
+    if args.ask:
+        import os
+
+        if not os.isatty(0):
+            write_err("--ask asks at the terminal, and stdin is not one: use --ask-command CMD")
+            return None
+        from egressbox.runner.ask import TerminalPrompt
+
+        return {"on_miss": TerminalPrompt(args.ask_timeout), "ask_timeout": args.ask_timeout}
+    # Loads asyncio before the fork (a few ms more start-up, for this flag only).
+    from egressbox.proxy.approval import CommandDecider, command_argv
+
+    try:
+        argv = command_argv(args.ask_command)
+    except ValueError as exc:
+        write_err(f"--ask-command: {exc}")
+        return None
+    return {"on_miss": CommandDecider(argv), "ask_timeout": args.ask_timeout}
+
+
+def _save_approved(args: Any, result: RunResult) -> None:
+    """--save-approved: what was approved during the run, as a policy file."""
+    path = getattr(args, "save_approved", None)
+    if not path:
+        return
+    from egressbox.proxy.approval import Answer, save_approved
+
+    try:
+        save_approved(path, result.approved)
+    except OSError as exc:
+        write_err(f"--save-approved: cannot write {path}: {exc}")
+        return
+    kept = sum(1 for item in result.approved if item.answer is Answer.SESSION)
+    write_err(
+        f"--save-approved: wrote {path} ({kept} allowed for the session, "
+        f"{len(result.approved) - kept} allowed once and commented out)"
     )
 
 

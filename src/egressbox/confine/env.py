@@ -55,16 +55,11 @@ _PROXY_NAMES = (
     "yarn_proxy",
     "yarn_https_proxy",
 )
-# Caches redirected into the workspace (they would otherwise need $HOME writable).
-CACHE_VARIABLES = {
-    "XDG_CACHE_HOME": "xdg",
-    "PIP_CACHE_DIR": "pip",
-    "UV_CACHE_DIR": "uv",
-    "npm_config_cache": "npm",
-    "YARN_CACHE_FOLDER": "yarn",
-    "GOCACHE": "go-build",
-}
+# Toolchain caches are pointed into the scratch space by confine/toolchains.py (the run's
+# assembly applies it after this, so a cache variable the caller set stands).
 TEMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
+# The upstream proxy's credentials (protocols/upstream.py) are the proxy's, not the child's.
+UPSTREAM_SECRETS = ("EGRESSBOX_UPSTREAM_USER", "EGRESSBOX_UPSTREAM_PASSWORD")
 
 
 @dataclass(frozen=True)
@@ -170,11 +165,10 @@ def child_environment(
         if name in base:
             env[name] = base[name]
     for name in list(env):
-        if name.lower() in _PROXY_NAMES:
+        if name.lower() in _PROXY_NAMES or name in UPSTREAM_SECRETS:
             del env[name]
     if scratch is not None:
         env |= {name: scratch.tmp for name in TEMP_VARIABLES}
-        env |= {name: f"{scratch.cache}/{sub}" for name, sub in CACHE_VARIABLES.items()}
     # Explicit grants win over scratch defaults, never over the proxy settings.
     for name, value in grants.items():
         if value is not None:

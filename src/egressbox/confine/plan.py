@@ -107,19 +107,39 @@ def host_has(facts: HostFacts, mechanism: Mechanism) -> bool:
     return facts.landlock_abi >= _MIN_ABI.get(mechanism, 0)
 
 
+# Which requirement a refusal enforces (Harn's `requirement`): the profile's own (os_hardened
+# requires every mechanism; every profile requires a network boundary), or the fallback
+# selector's (EGRESSBOX_SANDBOX=enforce made a best-effort profile's gap a refusal).
+REQUIREMENT_PROFILE = "profile"
+REQUIREMENT_FALLBACK = "fallback"
+
+
 @dataclass(frozen=True)
 class Refusal:
-    """A profile's required mechanism is missing: run must not start the command."""
+    """A profile's required mechanism is missing: run must not start the command.
+
+    `selector_honored` is False when the profile requires the mechanism outright, so no
+    EGRESSBOX_SANDBOX value could lift the refusal (Harn's field of the same name).
+    """
 
     mechanism: Mechanism
     availability: str  # absent_on_host | cannot_attach
     profile: Profile
     admit: str
+    requirement: str = REQUIREMENT_PROFILE
+    selector_honored: bool = False
 
     def message(self) -> str:
+        if self.requirement == REQUIREMENT_FALLBACK:
+            why = (
+                "EGRESSBOX_SANDBOX=enforce makes a missing mechanism a refusal "
+                "(=warn runs without it)"
+            )
+        else:
+            why = "the profile requires it; EGRESSBOX_SANDBOX cannot lift that"
         return (
             f"refused: profile {self.profile.value} requires {self.mechanism.value}, "
-            f"which is {self.availability} here; to admit it: {self.admit}"
+            f"which is {self.availability} here; to admit it: {self.admit} ({why})"
         )
 
 
@@ -308,6 +328,8 @@ def is_under(path: str, root: str) -> bool:
 
 @dataclass(frozen=True)
 class FsPlan:
+    """The filesystem grants of a plan, as Landlock and the world apply them."""
+
     read: tuple[str, ...]  # read + execute
     write: tuple[str, ...]  # read + write + execute (workspace, temp)
     deny: tuple[str, ...]  # credential paths: beat every grant

@@ -13,7 +13,12 @@ against the run's confinement plan:
 - a write (EROFS, a write verb, a file being created, or a refusal of a path the
   plan lets the command read) where the plan does not allow writing -> `write`;
 - a unix socket of the host that the plan hides, or an abstract socket name
-  (another network namespace) -> `local_socket`.
+  (another network namespace) -> `local_socket`;
+- any of these on a toolchain's cache (the caller's GOMODCACHE, npm's ~/.npm...: the plan's
+  `caches`, from confine/toolchains.py) -> `toolchain_cache`, naming the variable.
+
+A command killed by SIGSYS met the seccomp filter (`seccomp`); the kernel's audit record of
+the kill, when the caller can read it, names the system call (`seccomp_kills`).
 
 A path the plan grants is the command's own business and is never blamed on
 a boundary. What the host's filesystem says about a path (exists, socket,
@@ -24,10 +29,12 @@ from __future__ import annotations
 
 import functools
 import posixpath
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
+
+from egressbox.confine.toolchains import CacheMode, CacheRoot, cache_hint, innermost
 
 if TYPE_CHECKING:
     import re
@@ -38,6 +45,8 @@ class Boundary(StrEnum):
     LOCAL_SOCKET = "local_socket"
     HOME_READ = "home_read"
     WRITE = "write"
+    TOOLCHAIN_CACHE = "toolchain_cache"
+    SECCOMP = "seccomp"
     TIMEOUT = "timeout"
     UNKNOWN = "unknown"
 
@@ -118,6 +127,7 @@ class ErrorLine:
     paths: tuple[str, ...]  # as printed: absolute, ~/..., @abstract or \\x00abstract
     line: str
     writes: bool  # the wording says the command was writing
+    relative: tuple[str, ...] = ()  # quoted relative paths (from the command's directory)
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,11 @@ class PathPlan:
     bound_back: tuple[tuple[str, bool], ...] = ()  # (path, writable) under `hidden`, bound back
     landlock_fs: bool = False
     abstract_isolated: bool = False  # a network namespace or Landlock's abstract-socket scope
+    # Toolchain cache locations outside the grants (confine/toolchains.py CachePlan.roots).
+    caches: tuple[CacheRoot, ...] = ()
+    cache_mode: CacheMode = CacheMode.SCRATCH
+    cwd: str = ""  # the command's working directory: relative paths are judged from it
+    read_only_workspaces: tuple[str, ...] = ()  # --read-only-workspace
 
     def denied(self, path: str) -> bool:
         return _under_any(path, self.deny)
@@ -183,6 +198,7 @@ class Finding:
     errno: str
     line: str
     hint: str
+    variable: str = ""  # toolchain_cache: the cache variable
 
 
 @dataclass(frozen=True)
@@ -192,20 +208,28 @@ class RefusalRecord:
     boundary: str  # a Boundary value: egress | local_socket | home_read | write | timeout | unknown
     destinations: tuple[str, ...] = ()  # egress: host:port (reason) the proxy denied
     timeout: float | None = None  # boundary "timeout": the seconds that expired
-    paths: tuple[str, ...] = ()  # local_socket, home_read, write: the refused paths
+    paths: tuple[str, ...] = ()  # local_socket, home_read, write, toolchain_cache: the paths
     source: str = ""  # where the evidence came from, e.g. SOURCE_OUTPUT
     hint: str = ""  # what would admit it
     evidence: tuple[str, ...] = ()  # the error lines the paths came from
+    # Harn's fields: whether the mechanism behind the boundary is one the run's profile
+    # requires ("profile") or applies best effort ("fallback"; "" for timeout and unknown),
+    # and whether EGRESSBOX_SANDBOX was consulted for the profile (worktree only).
+    requirement: str = ""
+    selector_honored: bool = False
+    variable: str = ""  # toolchain_cache: the cache variable (GOMODCACHE, npm_config_cache...)
+    system_call: str = ""  # seccomp: the system call, when the kernel's record was readable
 
     def line(self, code: int) -> str:
         if self.boundary == Boundary.TIMEOUT:
             return f"command exited {code}; the timeout of {self.timeout:g} s expired"
-        named = self.paths or self.destinations
+        named = self.paths or self.destinations or ((self.system_call,) if self.system_call else ())
         shown = ", ".join(named[:LINE_PATHS])
         if len(named) > LINE_PATHS:
             shown += f" and {len(named) - LINE_PATHS} more"
         where = f": {shown}" if shown else ""
-        notes = "; ".join(n for n in (self.source if self.paths else "", self.hint) if n)
+        sourced = self.paths or self.system_call or self.boundary == Boundary.SECCOMP
+        notes = "; ".join(n for n in (self.source if sourced else "", self.hint) if n)
         tail = f" ({notes})" if notes else ""
         return f"command exited {code}; refused by {self.boundary}{where}{tail}"
 
@@ -228,12 +252,28 @@ def error_lines(text: str) -> list[ErrorLine]:
         if match is None:
             continue
         paths = extract_paths(line)
-        if not paths:
+        relative = relative_paths(line)
+        if not paths and not relative:
             continue
         word = match.group(0)
         errno = word.upper() if word.upper() in ERRNO_NAMES else ERRNO_TEXTS[word.lower()]
-        found.append(ErrorLine(errno, paths, line, bool(_patterns().write_verb.search(line))))
+        writes = bool(_patterns().write_verb.search(line))
+        found.append(ErrorLine(errno, paths, line, writes, relative))
     return found
+
+
+def relative_paths(line: str) -> tuple[str, ...]:
+    """Quoted relative paths (`touch: cannot touch 'target/x'`), judged from the command's
+    working directory: a word without blanks, never a URL, an option or an errno name."""
+    found = []
+    for match in _patterns().quoted.finditer(line):
+        text = next(g for g in match.groups() if g is not None).strip()
+        if not text or text.startswith(("/", "~", "@", "-", "\\")) or "://" in text:
+            continue
+        if any(c.isspace() for c in text) or "\x00" in text or text.upper() in ERRNO_NAMES:
+            continue
+        found.append(text)
+    return tuple(dict.fromkeys(found))
 
 
 def extract_paths(line: str) -> tuple[str, ...]:
@@ -364,6 +404,8 @@ def _read_refusal(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -
 
 
 def _write_hint(path: str, host: HostPath, plan: PathPlan) -> str:
+    if _under_any(path, plan.read_only_workspaces):
+        return "the workspace is read-only (--read-only-workspace): nothing in it is writable"
     if _under_any(path, plan.always_read_only):
         return "kernel interfaces are always read-only inside the sandbox"
     nested = [r for r in plan.read_only if _is_under(path, r)]
@@ -392,7 +434,8 @@ def classify_output(
     findings: list[Finding] = []
     seen: dict[str, HostPath] = {}
     for error in error_lines(text[-TAIL_BYTES:]):
-        for raw in error.paths:
+        relative = [posixpath.join(plan.cwd, r) for r in error.relative] if plan.cwd else []
+        for raw in (*error.paths, *relative):
             path = normalize(raw, home)
             if path not in seen:
                 if len(seen) >= MAX_PATHS:
@@ -400,7 +443,7 @@ def classify_output(
                 seen[path] = HostPath(False) if path.startswith("@") else lookup(path)
             found = judge(error, path, seen[path], plan)
             if found is not None:
-                findings.append(found)
+                findings.append(_as_cache(found, plan, lookup))
     if not findings:
         return None
     named = [f for f in findings if f.boundary is not Boundary.UNKNOWN]
@@ -412,7 +455,25 @@ def classify_output(
         source=SOURCE_OUTPUT,
         hint=last.hint,
         evidence=tuple(dict.fromkeys(f.line for f in same)),
+        variable=last.variable,
     )
+
+
+def _as_cache(found: Finding, plan: PathPlan, lookup: Callable[[str], HostPath]) -> Finding:
+    """A refusal on a toolchain's cache is that toolchain's gap, never a credential read.
+
+    Also a refusal on the way to a cache the caller named (`mkdir -p` of GOMODCACHE fails at
+    the first directory the view lacks).
+    """
+    refusable = (Boundary.WRITE, Boundary.HOME_READ, Boundary.UNKNOWN)
+    if found.boundary not in refusable or plan.denied(found.path):
+        return found
+    root = innermost(plan.caches, found.path) or _cache_below(plan.caches, found.path)
+    if root is None:
+        return found
+    exists = lookup(root.path).exists if root.path != found.path else True
+    hint = cache_hint(root, found.path, mode=plan.cache_mode, exists=exists)
+    return replace(found, boundary=Boundary.TOOLCHAIN_CACHE, hint=hint, variable=root.variable)
 
 
 # -- connections made without the proxy ------------------------------------------------------
@@ -463,3 +524,128 @@ def classify_direct(text: str, proxy: str) -> RefusalRecord | None:
             )
             return RefusalRecord(Boundary.EGRESS, source=SOURCE_OUTPUT, hint=hint, evidence=(line,))
     return None
+
+
+def _cache_below(roots: Sequence[CacheRoot], path: str) -> CacheRoot | None:
+    """A cache location the caller set that lies below `path`."""
+    prefix = path.rstrip("/") + "/"
+    below = [r for r in roots if r.user_set and r.path.startswith(prefix)]
+    return min(below, key=lambda r: len(r.path)) if below else None
+
+
+# -- requirement and selector (Harn's record fields) ------------------------------------------
+
+# Boundaries whose mechanism every profile requires: the proxy decides every connection, and a
+# run without a network boundary refuses to start.
+_ALWAYS_REQUIRED = frozenset({Boundary.EGRESS})
+
+
+def with_requirement(record: RefusalRecord, profile: str) -> RefusalRecord:
+    """`requirement` and `selector_honored` for a record of a run under `profile`."""
+    if record.boundary in (Boundary.TIMEOUT, Boundary.UNKNOWN):
+        requirement = ""
+    elif record.boundary in _ALWAYS_REQUIRED or profile == "os_hardened":
+        requirement = "profile"
+    else:
+        requirement = "fallback"
+    return replace(record, requirement=requirement, selector_honored=profile == "worktree")
+
+
+# -- seccomp: a command killed by SIGSYS --------------------------------------------------------
+
+SOURCE_KERNEL = "from the kernel's audit record of the kill"
+SOURCE_STATUS = (
+    "from the exit status (128+SIGSYS); the kernel log, which names the call, was not readable"
+)
+SIGSYS = 31
+# The kernel's audit record of a seccomp action (AUDIT_SECCOMP).
+AUDIT_SECCOMP = "type=1326"
+# AUDIT_ARCH_* values as the record prints them, for the names libseccomp knows them by.
+AUDIT_ARCHES = {
+    "c000003e": "x86_64",
+    "40000003": "x86",
+    "c00000b7": "aarch64",
+    "40000028": "arm",
+    "c00000f3": "riscv64",
+}
+_HINT_SECCOMP = (
+    "the seccomp filter kills every system call made through a non-native ABI (i386 "
+    "`int 0x80`, x32), since its rules judge native calls only; nothing admits it: build the "
+    "program for this machine's own ABI"
+)
+
+
+@dataclass(frozen=True)
+class SeccompKill:
+    """One kernel audit record of a process killed by seccomp."""
+
+    time: float  # seconds since the epoch, as the record says
+    uid: int
+    pid: int
+    comm: str
+    exe: str
+    arch: str  # AUDIT_ARCH_* in hex
+    syscall: int
+
+
+def seccomp_kills(lines: Iterable[str], *, since: float, uid: int) -> list[SeccompKill]:
+    """Kill records (SIGSYS) of `uid`'s processes from `since` on, from kernel log lines."""
+    found = []
+    for line in lines:
+        if AUDIT_SECCOMP not in line:
+            continue
+        kill = _parse_kill(line)
+        if kill is not None and kill.uid == uid and kill.time >= since:
+            found.append(kill)
+    return found
+
+
+def _parse_kill(line: str) -> SeccompKill | None:
+    stamp = line.partition("audit(")[2].partition(":")[0]
+    fields = _audit_fields(line)
+    try:
+        if int(fields.get("sig", "0")) != SIGSYS:
+            return None
+        return SeccompKill(
+            float(stamp),
+            int(fields["uid"]),
+            int(fields["pid"]),
+            fields.get("comm", ""),
+            fields.get("exe", ""),
+            fields.get("arch", ""),
+            int(fields["syscall"]),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+def _audit_fields(line: str) -> dict[str, str]:
+    """key=value pairs of an audit record; quoted values keep their spaces."""
+    fields: dict[str, str] = {}
+    rest = line
+    while "=" in rest:
+        key_part, _, rest = rest.partition("=")
+        key = key_part.rsplit(" ", 1)[-1]
+        if rest.startswith('"'):
+            value, _, rest = rest[1:].partition('"')
+        else:
+            value, _, rest = rest.partition(" ")
+        fields[key] = value
+    return fields
+
+
+def seccomp_record(
+    kills: Sequence[SeccompKill], name: Callable[[SeccompKill], str]
+) -> RefusalRecord:
+    """The record of a command killed by SIGSYS; `name` names a kill's system call."""
+    if not kills:
+        return RefusalRecord(Boundary.SECCOMP, source=SOURCE_STATUS, hint=_HINT_SECCOMP)
+    last = kills[-1]
+    evidence = tuple(f"{k.comm} ({k.exe}) pid {k.pid}: {name(k)}" for k in kills[-LINE_PATHS:])
+    return RefusalRecord(
+        Boundary.SECCOMP,
+        source=SOURCE_KERNEL,
+        hint=_HINT_SECCOMP,
+        evidence=evidence,
+        system_call=name(last),
+    )

@@ -112,6 +112,8 @@ class _Log:
 
 @dataclass(frozen=True)
 class _Source:
+    """A granted path held by descriptor until it is bound in the new root."""
+
     path: str  # the real path: where it is bound in the new root
     writable: bool
     fd: int

@@ -34,7 +34,10 @@ if TYPE_CHECKING:
 
 
 def _warn(prepared: Prepared) -> None:
-    """A best-effort profile running with less than it wants says so, once, before the command."""
+    """A best-effort profile running with less than it wants says so, once, before the command;
+    so does each root the run adds beyond its workspace."""
+    for text in prepared.announcements:
+        write_err(text)
     for text in prepared.warnings:
         write_err(f"warning: {text}")
 

@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import os
 import socket
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +23,17 @@ from egressbox.confine.env import (
     child_environment,
     proxy_variables,
 )
-from egressbox.confine.executable import resolve_command
+from egressbox.confine.executable import Executable, resolve_command
 from egressbox.confine.launcher import LaunchPlan
 from egressbox.confine.plan import (
     ADMIT_HINT,
     CAPTURE_FILES,
     CREDENTIALS,
     HOST_NEEDS,
+    PRESETS,
+    REQUIREMENT_FALLBACK,
     Enforcement,
+    FsPlan,
     HostFacts,
     Mechanism,
     Profile,
@@ -42,6 +46,7 @@ from egressbox.confine.plan import (
     plan_filesystem,
     wanted,
 )
+from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot, plan_caches
 from egressbox.errors import EgressboxError
 from egressbox.runner.facts import _cache_dir, _compiled_seccomp
 from egressbox.runner.options import (
@@ -53,6 +58,15 @@ from egressbox.runner.options import (
     RunOptions,
     RunRefusedError,
     effective_profile,
+)
+from egressbox.runner.workspace import (
+    READ_ONLY_SCRATCH,
+    Layout,
+    announce_lines,
+    cache_check,
+    expand,
+    lay_out,
+    refuse_cwd_outside,
 )
 
 
@@ -72,30 +86,161 @@ class Prepared:
     created_watch: tuple[str, ...] = ()
     # Why the run does not capture ("" when the launcher is asked to).
     capture_off: str = ""
+    # One line per root added beyond the workspace (said before the command starts).
+    announcements: list[str] = field(default_factory=list)
+    # Toolchain cache locations a refusal may name (confine/toolchains.py).
+    caches: tuple[CacheRoot, ...] = ()
+    cache_mode: CacheMode = CacheMode.SCRATCH
+    # The child's message locale when it is not English (LC_ALL/LC_MESSAGES the caller set).
+    foreign_locale: str = ""
+    started: float = 0.0  # time.time() when the run was planned (kernel records after it)
+    # Made on the host for this run only (a read-only workspace's scratch without a mount
+    # namespace): removed when the run ends.
+    cleanup: list[str] = field(default_factory=list)
+    read_only_workspaces: tuple[str, ...] = ()  # --read-only-workspace, for refusal hints
+
+
+@dataclass(frozen=True)
+class _Roots:
+    """The roots of a run as real paths, before the filesystem plan."""
+
+    layout: Layout
+    read: tuple[str, ...]
+    process_read: tuple[str, ...]
+    process_write: tuple[str, ...]  # with the real toolchain caches
+    sockets: tuple[str, ...]
+    caches: tuple[tuple[str, str], ...] = ()  # real toolchain caches granted: (path, tool)
+    warnings: tuple[str, ...] = ()
 
 
 def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     base = dict(os.environ if options.base_env is None else options.base_env)
+    profile, chosen, warnings = _mechanisms(options, facts, base)
+    home = base.get("HOME", os.path.expanduser("~"))
+    cwd = os.path.realpath(options.cwd or os.getcwd())
+    files = Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
+    mounts = Mechanism.MOUNT_NAMESPACE in chosen
+    layout = lay_out(
+        expand(options.write_roots, home),
+        cwd=cwd,
+        home=home,
+        read_only=options.read_only_workspace,
+        git=files,
+    )
+    executable = resolve_command(options.argv[0], base, cwd)
+    _check_cwd(cwd, layout, options, executables=executable.grants, files=files)
+    scratch, cleanup = _scratch(layout, mounts)
+    start = _Start(base, home, profile, chosen, warnings, layout, executable, scratch, cleanup)
+    try:
+        return _prepare(options, facts, start)
+    except BaseException:
+        import shutil  # only on this path: shutil and tempfile cost ~4 ms of every start
+
+        for made in cleanup:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What prepare() decided before it made anything for the run."""
+
+    base: dict[str, str]
+    home: str
+    profile: Profile
+    chosen: frozenset[Mechanism]
+    warnings: list[str]
+    layout: Layout
+    executable: Executable
+    scratch: Scratch | None
+    cleanup: list[str]
+
+
+def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
+    base, home, profile, chosen = start.base, start.home, start.profile, start.chosen
+    warnings, layout, executable = start.warnings, start.layout, start.executable
+    scratch = start.scratch
+    files = Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
+    env, templates = _environment(options, base, scratch, profile)
+    deny = _credential_paths(home, env.get("HOME")) + tuple(
+        os.path.normpath(expand_user(p, home)) for p in options.deny
+    )
+    check = cache_check(env.get("HOME") or home, deny) if files else None
+    caches = _toolchain_env(
+        env, options, home=env.get("HOME") or home, scratch=scratch, layout=layout, check=check
+    )
+    roots = _collect_roots(options, layout, caches, home=home, files=files)
+    warnings += [*roots.warnings, *layout.notes]
+    trusted = (
+        *_trusted_paths(options, layout.writable, roots.process_write, home),
+        *layout.protect,
+    )
+    fs = plan_filesystem(
+        home=home,
+        write_roots=layout.writable,
+        read_roots=(*roots.read, *layout.readable),
+        executables=executable.grants,
+        presets=options.presets,
+        deny=deny,
+        protected_files=trusted,
+        process_read_roots=roots.process_read,
+        process_write_roots=roots.process_write,
+    )
+    warnings += _denied_roots(roots, fs)
+    capture_off = _capture_off(options, chosen, facts)
+    listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
+    plan = _launch_plan(
+        options,
+        chosen,
+        profile=profile,
+        executable=executable,
+        env=env,
+        templates=templates,
+        fs=fs,
+        roots=roots,
+        scratch=scratch,
+        listeners=listeners,
+        capture_off=capture_off,
+    )
+    if Mechanism.SECCOMP in chosen:
+        plan = dataclasses.replace(plan, seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
+    report, network = enforcement_report(profile, chosen, capture_off=capture_off)
+    homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
+    prepared = Prepared(plan, report, listeners, network, warnings, homes)
+    prepared.roots = _root_report(roots, executable.grants)
+    prepared.profile = profile
+    prepared.created_watch = tuple(p for p in trusted if not os.path.lexists(p))
+    prepared.capture_off = capture_off
+    prepared.announcements = _announcements(options, roots, files) if options.announce else []
+    prepared.caches = caches.roots
+    prepared.cache_mode = CacheMode(options.toolchain_cache)
+    prepared.foreign_locale = _message_locale(env)
+    prepared.started = time.time()
+    prepared.cleanup = start.cleanup
+    prepared.read_only_workspaces = layout.workspaces if layout.read_only else ()
+    return prepared
+
+
+def _mechanisms(
+    options: RunOptions, facts: HostFacts, base: Mapping[str, str]
+) -> tuple[Profile, frozenset[Mechanism], list[str]]:
+    """The profile, the mechanisms this host gives it, and the warnings; or a refusal."""
     profile = effective_profile(options.profile, base)
     chosen, refusals = choose_mechanisms(profile, facts)
     extra, warnings = _sandbox_fallback(profile, chosen, facts, base)
     if refusals or extra:
         raise RunRefusedError(refusals + extra)
     _refuse_open_network(chosen, options)
-    home = base.get("HOME", os.path.expanduser("~"))
-    cwd = os.path.realpath(options.cwd or os.getcwd())
-    write_roots = _real_roots(options.write_roots, home)
-    if not write_roots:
-        _refuse_wide_workspace(cwd, home)
-        write_roots = (cwd,)
-    read_roots = _real_roots(options.read_roots, home)
-    process_read = _real_roots(options.process_read_roots, home)
-    process_write = _real_roots(options.process_write_roots, home)
-    socket_roots = _real_roots(options.unix_socket_roots, home)
-    _refuse_cwd_outside(cwd, (*write_roots, *read_roots, *process_read, *process_write))
-    executable = resolve_command(options.argv[0], base, cwd)
-    mounts = Mechanism.MOUNT_NAMESPACE in chosen
-    scratch = scratch_paths(write_roots[0]) if mounts else make_scratch(write_roots[0])
+    warnings += _refuse_unconfinable(options, chosen)
+    if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
+        raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
+    return profile, chosen, warnings
+
+
+def _environment(
+    options: RunOptions, base: Mapping[str, str], scratch: Scratch | None, profile: Profile
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The child's environment, and the proxy variables the launcher fills in."""
     env = child_environment(
         base,
         policy=options.env_policy,
@@ -108,31 +253,57 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     if options.allow_loopback and not {"NO_PROXY", "no_proxy"} & set(options.grants):
         # The child's own servers on its private lo are reached directly.
         env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
-    extra_deny = tuple(os.path.normpath(expand_user(p, home)) for p in options.deny)
-    trusted = _trusted_paths(options, write_roots, process_write, home)
-    fs = plan_filesystem(
-        home=home,
-        write_roots=write_roots,
-        read_roots=read_roots,
-        executables=executable.grants,
-        presets=options.presets,
-        deny=_credential_paths(home, env.get("HOME")) + extra_deny,
-        protected_files=trusted,
-        process_read_roots=process_read,
-        process_write_roots=process_write,
+    return env, templates
+
+
+def _collect_roots(
+    options: RunOptions,
+    layout: Layout,
+    caches: CachePlan,
+    *,
+    home: str,
+    files: bool,
+) -> _Roots:
+    granted = list(caches.grants) if files else []
+    warnings = list(caches.notes)
+    return _Roots(
+        layout,
+        read=expand(options.read_roots, home),
+        process_read=expand(options.process_read_roots, home),
+        process_write=(*expand(options.process_write_roots, home), *(p for p, _ in granted)),
+        sockets=expand(options.unix_socket_roots, home),
+        caches=tuple(granted),
+        warnings=tuple(warnings),
     )
-    granted = (*write_roots, *read_roots, *process_read, *process_write)
-    warnings += [
+
+
+def _denied_roots(roots: _Roots, fs: FsPlan) -> list[str]:
+    granted = (*roots.layout.writable, *roots.read, *roots.process_read, *roots.process_write)
+    return [
         f"{root} is on the credential deny list: it stays unreadable whatever is granted"
         for root in granted
         if any(is_under(root, denied) for denied in fs.deny)
     ]
-    if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
-        raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
-    capture_off = _capture_off(options, chosen, facts)
+
+
+def _launch_plan(
+    options: RunOptions,
+    chosen: frozenset[Mechanism],
+    *,
+    profile: Profile,
+    executable: Executable,
+    env: dict[str, str],
+    templates: dict[str, str],
+    fs: FsPlan,
+    roots: _Roots,
+    scratch: Scratch | None,
+    listeners: Sequence[socket.socket],
+    capture_off: str,
+) -> LaunchPlan:
+    mounts = Mechanism.MOUNT_NAMESPACE in chosen
     capture = not capture_off
-    listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
-    writable = (*write_roots, *process_write)
+    socket_roots = roots.sockets
+    writable = (*roots.layout.writable, *roots.process_write)
     # A read grant inside a writable root adds nothing (a venv in the workspace stays
     # writable); read-only roots nested in writable ones are fs.read_only_inside_write.
     readable = [p for p in (*fs.read, *socket_roots) if not any(is_under(p, w) for w in writable)]
@@ -142,23 +313,26 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         mask=fs.deny,
         socket_roots=socket_roots,
         scratch=(scratch.tmp, scratch.cache) if scratch is not None and mounts else (),
-        cwd=cwd,
+        cwd=os.path.realpath(options.cwd or os.getcwd()),
         protect_kernel=os.getuid() == 0,
         max_processes=options.max_processes,
         # Captured: the child's resolver asks egressbox's DNS inside the namespace.
         files=CAPTURE_FILES if capture else (),
     )
-    plan = LaunchPlan(
+    # The read-only workspace's scratch is in the view's private /tmp: Landlock must let the
+    # command write there whatever the presets say (it is never bound from the host).
+    read_only = roots.layout.read_only and mounts
+    return LaunchPlan(
         argv=options.argv,
         executable=executable.path,
-        cwd=cwd,
+        cwd=world.cwd,
         env=env,
         mechanisms=tuple(sorted(m.value for m in chosen)),
         uid=os.getuid(),
         gid=os.getgid(),
         host_ports=tuple(s.getsockname()[1] for s in listeners),
         read=(*fs.read, *socket_roots),
-        write=fs.write,
+        write=(*fs.write, READ_ONLY_SCRATCH) if read_only else fs.write,
         deny=fs.deny,
         read_only_inside_write=fs.read_only_inside_write,
         allow_loopback=options.allow_loopback,
@@ -173,27 +347,176 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         world=world if mounts else None,
         capture=capture,
     )
-    if Mechanism.SECCOMP in chosen:
-        plan = dataclasses.replace(plan, seccomp_program=_compiled_seccomp(allow_udp=capture))
-    report, network = enforcement_report(profile, chosen, capture_off=capture_off)
-    homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
-    roots = [
-        RootReport(kind, path, ROOT_DETAIL[kind])
-        for kind, paths in (
-            ("workspace", write_roots),
-            ("read", read_roots),
-            ("process_read", process_read),
-            ("process_write", process_write),
-            ("unix_socket", socket_roots),
-            ("executable", executable.grants),
+
+
+def _refuse_unconfinable(options: RunOptions, chosen: frozenset[Mechanism]) -> list[str]:
+    """What narrows file access cannot be applied without filesystem rules.
+
+    A read-only workspace would be silently writable: refused. Extra deny entries (often in a
+    policy file shared by runs of several profiles) are said in a warning. Roots (grants) are
+    applied whatever the profile, and announced.
+    """
+    if Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen:
+        return []
+    why = (
+        "this run has no filesystem rules (profile unrestricted, or a host without a mount "
+        "namespace and Landlock)"
+    )
+    if options.read_only_workspace:
+        raise EgressboxError(
+            "refused: a read-only workspace (--read-only-workspace, [filesystem] workspace) "
+            f"cannot be applied: {why}; choose --profile workspace_paths"
         )
-        for path in dict.fromkeys(paths)
+    if options.deny:
+        return [f"[filesystem] deny entries are not applied: {why}"]
+    return []
+
+
+def _scratch(layout: Layout, mounts: bool) -> tuple[Scratch | None, list[str]]:
+    """The scratch space: in the first writable workspace, or outside a read-only one."""
+    if not layout.read_only:
+        root = layout.workspaces[0]
+        return (scratch_paths(root) if mounts else make_scratch(root)), []
+    if mounts:
+        base = READ_ONLY_SCRATCH
+        return Scratch(os.path.join(base, "tmp"), os.path.join(base, "cache")), []
+    # No mount namespace: a private directory of the host's, for this run only.
+    import tempfile
+
+    made = tempfile.mkdtemp(prefix="egressbox-scratch-")
+    for name in ("tmp", "cache"):
+        os.mkdir(os.path.join(made, name), 0o700)
+    return Scratch(os.path.join(made, "tmp"), os.path.join(made, "cache")), [made]
+
+
+def _toolchain_env(
+    env: dict[str, str],
+    options: RunOptions,
+    *,
+    home: str,
+    scratch: Scratch | None,
+    layout: Layout,
+    check: Callable[[str], str] | None,
+) -> CachePlan:
+    """Point the toolchains' caches into the scratch space (or at the real ones).
+
+    Without filesystem rules (`check` None) every path is writable already: real caches are
+    simply used, and granted as nothing.
+    """
+    mode = CacheMode(options.toolchain_cache)
+    caches = plan_caches(
+        env,
+        home=home,
+        scratch=scratch.cache if scratch else None,
+        mode=mode,
+        check=check or (lambda _path: ""),
+    )
+    env |= caches.env
+    if layout.read_only and scratch is not None and not env.get(CARGO_TARGET_DIR):
+        # A review task's `cargo check` / `cargo test` would write target/ in the project.
+        env[CARGO_TARGET_DIR] = f"{scratch.cache}/cargo-target"
+    if not {"LC_ALL", "LC_MESSAGES"} & set(env):
+        # Error texts in English, so refusals are recognised (LANG's other parts stay).
+        env["LC_MESSAGES"] = "C"
+    return caches
+
+
+CARGO_TARGET_DIR = "CARGO_TARGET_DIR"
+_ENGLISH = ("", "C", "POSIX")
+
+
+def _message_locale(env: Mapping[str, str]) -> str:
+    """The child's message locale when the caller chose one that may not be English."""
+    chosen = env.get("LC_ALL") or env.get("LC_MESSAGES") or ""
+    language = chosen.split(".")[0]
+    if language in _ENGLISH or language.startswith("en_") or language == "en":
+        return ""
+    return chosen
+
+
+def _check_cwd(
+    cwd: str,
+    layout: Layout,
+    options: RunOptions,
+    *,
+    executables: Sequence[str],
+    files: bool,
+) -> None:
+    """The working directory must exist for the command (in a root or a preset), checked
+    before anything is made for the run."""
+    base = os.environ if options.base_env is None else options.base_env
+    home = base.get("HOME", os.path.expanduser("~"))
+    roots = (
+        *layout.workspaces,
+        *expand(options.read_roots, home),
+        *expand(options.process_read_roots, home),
+        *expand(options.process_write_roots, home),
+        *expand(options.unix_socket_roots, home),
+    )
+    granted: tuple[str, ...] = roots
+    hidden: tuple[str, ...] = ()
+    if files:
+        # Presets count too, except what the world makes fresh (its /tmp is not the host's).
+        presets = [expand_user(p, home) for name in options.presets for p in PRESETS.get(name, ())]
+        granted += tuple(p for p in (*presets, *executables) if p not in CONSTRUCTED_PATHS)
+        if not any(is_under(cwd, r) for r in roots):
+            deny = (*(expand_user(p, home) for p in CREDENTIALS), *expand(options.deny, home))
+            hidden = (*deny, *CONSTRUCTED_PATHS)
+    refuse_cwd_outside(cwd, granted, hidden, layout.project)
+
+
+# Made fresh in the child's view, never the host's (confine/world.py CONSTRUCTED and its
+# private tmpfs): a host directory below them does not exist for the command.
+CONSTRUCTED_PATHS = ("/proc", "/sys", "/dev", "/tmp", "/var/tmp", "/run")
+
+
+def _root_report(roots: _Roots, executables: Sequence[str]) -> list[RootReport]:
+    layout = roots.layout
+    found: list[RootReport] = []
+    for path in layout.workspaces:
+        found.append(RootReport("workspace", path, _workspace_detail(layout)))
+    cache_paths = {p for p, _ in roots.caches}
+    for kind, paths in (
+        ("git", [p for p, _ in layout.git_write]),
+        ("git_objects", [p for p, _ in layout.git_read]),
+        ("read", roots.read),
+        ("process_read", roots.process_read),
+        ("process_write", [p for p in roots.process_write if p not in cache_paths]),
+        ("toolchain_cache", [p for p, _ in roots.caches]),
+        ("unix_socket", roots.sockets),
+        ("executable", executables),
+    ):
+        found += [RootReport(kind, p, ROOT_DETAIL[kind]) for p in dict.fromkeys(paths)]
+    return found
+
+
+def _workspace_detail(layout: Layout) -> str:
+    if layout.read_only:
+        detail = "read-only (--read-only-workspace); TMPDIR and tool caches live outside it"
+    else:
+        detail = ROOT_DETAIL["workspace"]
+    if layout.project is not None:
+        detail += f"; {layout.project.reason}"
+    else:
+        detail += "; named by --write-root or [filesystem] write_roots"
+    return detail
+
+
+def _announcements(options: RunOptions, roots: _Roots, files: bool) -> list[str]:
+    layout = roots.layout
+    tools = dict(roots.caches)
+    write = [(p, "") for p in layout.workspaces if options.write_roots]
+    write += [(p, why) for p, why in layout.git_write if not layout.read_only]
+    write += [
+        (p, f"{tools[p]}'s own cache, --toolchain-cache real" if p in tools else "for tools")
+        for p in roots.process_write
     ]
-    prepared = Prepared(plan, report, listeners, network, warnings, homes, roots)
-    prepared.profile = profile
-    prepared.created_watch = tuple(p for p in trusted if not os.path.lexists(p))
-    prepared.capture_off = capture_off
-    return prepared
+    read = [(p, "") for p in roots.read]
+    read += [(p, "for tools") for p in roots.process_read]
+    read += [(p, why) for p, why in layout.git_read]
+    if layout.read_only:
+        read += [(p, why) for p, why in layout.git_write]
+    return announce_lines(write=write, read=read, sockets=roots.sockets, unconfined_files=not files)
 
 
 CAPTURE_HOST_FACT = "capture"  # confine.probe's mechanism name
@@ -211,10 +534,6 @@ def _capture_off(options: RunOptions, chosen: frozenset[Mechanism], facts: HostF
     return ""
 
 
-def _real_roots(paths: Sequence[str], home: str) -> tuple[str, ...]:
-    return tuple(os.path.realpath(expand_user(p, home)) for p in paths)
-
-
 def _half_the_memory() -> int | None:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
@@ -229,30 +548,10 @@ def _refuse_open_network(chosen: frozenset[Mechanism], options: RunOptions) -> N
     raise RunRefusedError(
         [],
         message="refused: this host offers neither a network namespace nor Landlock TCP "
-        "rules with seccomp, so the command could reach the network directly; "
+        "rules with seccomp, so the command could reach the network directly (every profile "
+        "requires a network boundary; EGRESSBOX_SANDBOX cannot lift that); "
         "run as root or allow user namespaces, or pass --allow-direct-network to run it "
         "with its network unconfined",
-    )
-
-
-def _refuse_wide_workspace(cwd: str, home: str) -> None:
-    """The current directory as the workspace, when it is `/` or the home directory itself."""
-    wide = {"/", os.path.realpath(home)} if home else {"/"}
-    if cwd in wide:
-        what = "the whole file system" if cwd == "/" else "your whole home directory"
-        raise EgressboxError(
-            f"the workspace would be {cwd} ({what}): every file there would be writable by "
-            "the command; run it from a project directory, or pass --write-root "
-            f"{cwd} to mean it"
-        )
-
-
-def _refuse_cwd_outside(cwd: str, roots: Sequence[str]) -> None:
-    if any(is_under(cwd, root) for root in roots):
-        return
-    raise EgressboxError(
-        f"the working directory {cwd} is outside every root, so it would not exist for the "
-        f"command; run from inside a root, or add --read-root {cwd} (or --write-root {cwd})"
     )
 
 
@@ -307,7 +606,14 @@ def _sandbox_fallback(
     mode = env.get(ENV_SANDBOX, "warn")
     if mode == "enforce":
         return [
-            Refusal(m, facts.status.get(HOST_NEEDS[m], "absent_on_host"), profile, ADMIT_HINT[m])
+            Refusal(
+                m,
+                facts.status.get(HOST_NEEDS[m], "absent_on_host"),
+                profile,
+                ADMIT_HINT[m],
+                requirement=REQUIREMENT_FALLBACK,
+                selector_honored=True,
+            )
             for m in missing
         ], []
     if mode == "off":

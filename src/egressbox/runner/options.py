@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from egressbox.audit import AuditRecord
     from egressbox.confine.refusal import RefusalRecord
     from egressbox.policy import Policy, RunSettings
+    from egressbox.proxy.approval import Approved, Decider
 
 
 # How long the launcher may take to bind its listeners (measured: 34-50 ms).
@@ -59,6 +60,8 @@ class RunRefusedError(EgressboxError):
 
 @dataclass(frozen=True)
 class RunOptions:
+    """What a confined run is asked to do (options_for() makes one from keywords)."""
+
     argv: tuple[str, ...]
     policy: Policy | None
     profile: Profile = Profile.WORKSPACE_PATHS
@@ -96,10 +99,24 @@ class RunOptions:
     # On wherever the host allows it (a network namespace and nftables); off with --no-capture.
     # A host without it runs the command without capture, and the report says so.
     capture: bool = True
+    # The workspace readable only (--read-only-workspace, [filesystem] workspace = "read-only"):
+    # the scratch space then lives outside it, in the child's private /tmp.
+    read_only_workspace: bool = False
+    # Where the toolchains' caches go (confine/toolchains.py): "scratch" or "real".
+    toolchain_cache: str = "scratch"
+    # One stderr line per root the run adds beyond its workspace (like Harn's
+    # "sandbox active; extra write root: PATH"); the CLI turns it off with --quiet.
+    announce: bool = True
+    # Approval on a miss (proxy/approval.py): asked about a destination no allow entry
+    # admits (a callback, runner.ask.TerminalPrompt, approval.CommandDecider); None: denied.
+    on_miss: Decider | None = None
+    ask_timeout: float | None = None  # seconds; None: approval.DEFAULT_TIMEOUT
 
 
 @dataclass(frozen=True)
 class MechanismReport:
+    """One row of a run's enforcement report: a mechanism and how fully it held."""
+
     mechanism: str
     enforcement: Enforcement
     detail: str
@@ -122,11 +139,17 @@ ROOT_DETAIL = {
     "caches or scratch directory)",
     "executable": "read+execute: the command, its interpreter or venv",
     "unix_socket": "read-only; its unix sockets may be connected to",
+    "git": "read+write: the repository's git directory outside the workspace (a linked "
+    "worktree's); hooks and config read-only",
+    "git_objects": "read-only: objects borrowed through objects/info/alternates",
+    "toolchain_cache": "read+write: a toolchain's own cache (--toolchain-cache real)",
 }
 
 
 @dataclass
 class RunResult:
+    """What a confined run did: its exit code, audit records, report and refusal."""
+
     exit_code: int
     records: list[AuditRecord]
     report: list[MechanismReport]
@@ -136,6 +159,8 @@ class RunResult:
     warnings: list[str] = field(default_factory=list)
     roots: list[RootReport] = field(default_factory=list)
     created_trusted: list[str] = field(default_factory=list)
+    # What the run's on_miss allowed (for --save-approved: approval.save_approved).
+    approved: list[Approved] = field(default_factory=list)
 
 
 def effective_profile(requested: Profile, env: Mapping[str, str]) -> Profile:
@@ -168,6 +193,11 @@ def options_for(
     allow_direct_network: bool = False,
     unix_socket_roots: Sequence[str] = (),
     capture: bool = True,
+    read_only_workspace: bool = False,
+    toolchain_cache: str | None = None,
+    announce: bool = True,
+    on_miss: Decider | None = None,
+    ask_timeout: float | None = None,
 ) -> RunOptions:
     """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined().
 
@@ -186,6 +216,9 @@ def options_for(
         base_env=base_env,
         nameservers=tuple(nameservers),
         capture=capture,
+        announce=announce,
+        on_miss=on_miss,
+        ask_timeout=ask_timeout,
         **with_settings(
             policy.run_settings if policy is not None else None,
             profile=profile,
@@ -197,6 +230,8 @@ def options_for(
             unix_socket_roots=unix_socket_roots,
             grants=grants or {},
             timeout=timeout,
+            read_only_workspace=read_only_workspace,
+            toolchain_cache=toolchain_cache,
         ),
     )
 
@@ -214,12 +249,15 @@ def with_settings(
     process_write_roots: Sequence[str] = (),
     unix_socket_roots: Sequence[str] = (),
     writable_trusted: Sequence[str] = (),
+    read_only_workspace: bool = False,
+    toolchain_cache: str | None = None,
 ) -> dict[str, Any]:
     """RunOptions fields from the policy's run tables and the caller's choices.
 
     The caller's profile, environment policy and timeout win; its roots come
     first (the first writable root holds the scratch space) and its grants
-    override the table's for the same name.
+    override the table's for the same name. A read-only workspace, asked by
+    either, is read-only.
     """
     if settings is None:
         from egressbox.policy import RunSettings
@@ -228,6 +266,9 @@ def with_settings(
     process, fs, table_env = settings.process, settings.filesystem, settings.env
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be more than 0 seconds, got {timeout}")
+    caches = toolchain_cache or fs.toolchain_cache or "scratch"
+    if caches not in ("scratch", "real"):
+        raise ValueError(f"toolchain_cache must be 'scratch' or 'real', got {caches!r}")
     return {
         "profile": Profile(profile or process.profile or Profile.WORKSPACE_PATHS),
         "env_policy": EnvPolicy(env or table_env.policy or EnvPolicy.INHERITED),
@@ -247,6 +288,8 @@ def with_settings(
         "writable_trusted": tuple(dict.fromkeys((*writable_trusted, *fs.writable_trusted))),
         "max_processes": process.max_processes or DEFAULT_MAX_PROCESSES,
         "max_memory": process.max_memory,
+        "read_only_workspace": read_only_workspace or fs.workspace == "read-only",
+        "toolchain_cache": caches,
     }
 
 

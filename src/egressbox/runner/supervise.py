@@ -69,6 +69,13 @@ def _make_proxy(
     for sock in (*launched.listeners, *capture, *dns):
         sock.setblocking(False)
     resolver = DnsResolver(list(options.nameservers)) if options.nameservers else None
+    asking: dict[str, Any] = {}
+    if options.on_miss is not None:
+        from egressbox.runner.ask import for_run
+
+        asking["on_miss"] = for_run(options.on_miss, launched.tee)
+        if options.ask_timeout is not None:
+            asking["ask_timeout"] = options.ask_timeout
     proxy = EgressProxy(
         options.policy,
         http_sockets=[http],
@@ -80,6 +87,7 @@ def _make_proxy(
         log_allowed=options.log_allowed,
         capture_sockets=capture,
         dns_sockets=dns,
+        **asking,
     )
     return proxy
 
@@ -209,6 +217,10 @@ async def _supervise(hold: _Hold, prepared: Prepared) -> RunResult:
         await proxy.start()
         await _wait_forwarding(loop, launched)
         code = hold.reap()
+        if proxy.approvals is not None:
+            # A question still open (a prompt on the terminal) ends before the terminal
+            # relay gives the terminal its modes back.
+            await proxy.approvals.aclose()
         outputs = await asyncio.gather(*(r.finish(DRAIN_TIMEOUT) for r in hold.readers))
     except GeneratorExit:
         # The coroutine is being finalized (its loop closed with the run in
@@ -217,6 +229,7 @@ async def _supervise(hold: _Hold, prepared: Prepared) -> RunResult:
         raise
     except BaseException:
         hold.stop()
+        clean_up(prepared)
         try:
             await proxy.close(0)
         finally:
@@ -230,6 +243,7 @@ async def _supervise(hold: _Hold, prepared: Prepared) -> RunResult:
     stderr = outputs[1] if outputs[1] is not None else tail
     result = _result(code, list(proxy.records), prepared, launched, stderr)
     result.warnings = prepared.warnings
+    result.approved = proxy.approvals.approved() if proxy.approvals is not None else []
     result.stdout, result.stderr = outputs
     return result
 
@@ -399,6 +413,10 @@ def path_plan(prepared: Prepared) -> PathPlan:
         landlock_fs=landlock,
         abstract_isolated=plan.has(Mechanism.NETWORK_NAMESPACE)
         or plan.has(Mechanism.LANDLOCK_SCOPE),
+        caches=prepared.caches,
+        cache_mode=prepared.cache_mode,
+        cwd=plan.cwd,
+        read_only_workspaces=prepared.read_only_workspaces,
     )
 
 
@@ -497,6 +515,7 @@ def _result(
     launched: Launched,
     stderr: bytes | None = None,
 ) -> RunResult:
+    clean_up(prepared)
     if launched.timed_out:
         from egressbox.confine.refusal import Boundary, RefusalRecord
 
@@ -507,9 +526,105 @@ def _result(
     result.created_trusted = _created_trusted(prepared)
     result.warnings = list(prepared.warnings) + result.created_trusted
     if code != 0:
-        proxy = launched.proxy_text if prepared.plan.has(Mechanism.NETWORK_NAMESPACE) else ""
-        result.refusal = classify_refusal(records, code, stderr, path_plan(prepared), proxy=proxy)
+        result.refusal = _refusal(code, records, stderr, prepared, launched)
     return result
+
+
+def _refusal(
+    code: int,
+    records: list[AuditRecord],
+    stderr: bytes | None,
+    prepared: Prepared,
+    launched: Launched,
+) -> RefusalRecord:
+    """The record of a failed run, with Harn's requirement and selector fields."""
+    import dataclasses
+
+    from egressbox.confine.refusal import Boundary, with_requirement
+
+    if code == EXIT_SIGSYS:
+        record = seccomp_refusal(prepared.started)
+    else:
+        proxy = launched.proxy_text if prepared.plan.has(Mechanism.NETWORK_NAMESPACE) else ""
+        record = classify_refusal(records, code, stderr, path_plan(prepared), proxy=proxy)
+    if record.boundary == Boundary.UNKNOWN and prepared.foreign_locale and not record.hint:
+        hint = (
+            f"the command's messages are in {prepared.foreign_locale} (LC_ALL/LC_MESSAGES), and "
+            "egressbox reads only English error texts: set LC_MESSAGES=C for it to name a "
+            "boundary"
+        )
+        record = dataclasses.replace(record, hint=hint)
+    return with_requirement(record, prepared.profile.value)
+
+
+# A command (or the shell that ran it) that died from SIGSYS, as `run` reports it.
+EXIT_SIGSYS = 128 + signal.SIGSYS
+# Kernel log records read, at most, to find a seccomp kill (a full ring buffer holds far fewer).
+KMSG_MAX_RECORDS = 100_000
+KMSG_MAX_SECONDS = 1.0
+# Records stamped slightly before the run was planned still count (clock granularity).
+KMSG_SLACK = 1.0
+
+
+def seccomp_refusal(started: float) -> RefusalRecord:
+    """A seccomp record for a command killed by SIGSYS, naming the call when the kernel's
+    audit record of the kill can be read (/dev/kmsg: root, or dmesg_restrict=0)."""
+    from egressbox.confine.refusal import seccomp_kills, seccomp_record
+
+    kills = seccomp_kills(_kernel_log(), since=started - KMSG_SLACK, uid=os.getuid())
+    return seccomp_record(kills, _syscall_name)
+
+
+def _kernel_log() -> list[str]:
+    """The kernel's log records as text (empty when unreadable), bounded in count and time."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return []
+    lines: list[str] = []
+    deadline = time.monotonic() + KMSG_MAX_SECONDS
+    try:
+        for _ in range(KMSG_MAX_RECORDS):
+            if time.monotonic() > deadline:
+                break
+            try:
+                record = os.read(fd, 8192)
+            except BrokenPipeError:
+                continue  # overwritten while we read: the next one follows
+            except (BlockingIOError, OSError):
+                break
+            if not record:
+                break
+            # "PRIORITY,SEQUENCE,MICROSECONDS,FLAGS;TEXT\n": the text is what matters.
+            lines.append(record.decode("utf-8", "replace").partition(";")[2].strip())
+    finally:
+        os.close(fd)
+    return lines
+
+
+def _syscall_name(kill: Any) -> str:
+    """`getpid (x86 system call 20)`, or the number alone when libseccomp cannot name it."""
+    from egressbox.confine.refusal import AUDIT_ARCHES
+
+    arch = AUDIT_ARCHES.get(kill.arch, kill.arch or "unknown ABI")
+    name = ""
+    try:
+        import pyseccomp
+
+        token = getattr(pyseccomp.Arch, arch.upper())
+        name = pyseccomp.resolve_syscall(token, kill.syscall).decode("ascii")
+    except Exception:  # naming is a nicety: the number is still said
+        name = ""
+    number = f"{arch} system call {kill.syscall}"
+    return f"{name} ({number})" if name else number
+
+
+def clean_up(prepared: Prepared) -> None:
+    """Remove what was made on the host for this run only (idempotent)."""
+    import shutil
+
+    while prepared.cleanup:
+        shutil.rmtree(prepared.cleanup.pop(), ignore_errors=True)
 
 
 def _created_trusted(prepared: Prepared) -> list[str]:

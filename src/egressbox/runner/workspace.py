@@ -1,0 +1,186 @@
+"""A run's workspace: which directories it is, whether it may be written, what its git
+repository and its toolchains need beyond it, and the line that announces each addition.
+
+Decided before the fork from the options and the host's paths (runner/project.py); nothing is
+made or changed on the host here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from egressbox.confine.plan import expand_user, is_under
+from egressbox.confine.toolchains import MISSING
+from egressbox.errors import EgressboxError
+from egressbox.runner.project import GitGrants, ProjectRoot, find_project_root, git_grants
+
+# With a read-only workspace the scratch space (TMPDIR, caches) lives in the child's private
+# /tmp: it exists for the run only, and nothing of the project is written.
+READ_ONLY_SCRATCH = "/tmp/egressbox-scratch"
+ANNOUNCE = "sandbox active; "
+
+
+@dataclass
+class Layout:
+    """The workspace roots and what they bring with them."""
+
+    workspaces: tuple[str, ...]
+    read_only: bool = False
+    project: ProjectRoot | None = None  # set when the default (project root) was taken
+    git_write: tuple[tuple[str, str], ...] = ()  # (path, why)
+    git_read: tuple[tuple[str, str], ...] = ()
+    protect: tuple[str, ...] = ()  # host-trusted git files (read-only in the view)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def writable(self) -> tuple[str, ...]:
+        """Workspace roots and git directories the child may write."""
+        if self.read_only:
+            return ()
+        return (*self.workspaces, *(p for p, _ in self.git_write))
+
+    @property
+    def readable(self) -> tuple[str, ...]:
+        """What is granted read-only: git alternates, and everything when read-only."""
+        ro = (*self.workspaces, *(p for p, _ in self.git_write)) if self.read_only else ()
+        return (*ro, *(p for p, _ in self.git_read))
+
+
+def lay_out(
+    write_roots: tuple[str, ...],
+    *,
+    cwd: str,
+    home: str,
+    read_only: bool,
+    git: bool,
+) -> Layout:
+    """The workspaces: `write_roots` (real paths), else the project root above `cwd`."""
+    project = None
+    if not write_roots:
+        project = find_project_root(cwd)
+        refuse_wide_workspace(project, home, cwd)
+        write_roots = (project.path,)
+    layout = Layout(write_roots, read_only=read_only, project=project)
+    if git:
+        _add_git(layout)
+    return layout
+
+
+def _add_git(layout: Layout) -> None:
+    merged = GitGrants()
+    for root in layout.workspaces:
+        found = git_grants(root)
+        merged = GitGrants(
+            (*merged.write, *found.write),
+            (*merged.read, *found.read),
+            (*merged.protect, *found.protect),
+            (*merged.notes, *found.notes),
+        )
+    inside = layout.workspaces
+    layout.git_write = tuple(
+        (p, why) for p, why in dict(merged.write).items() if not _under_any(p, inside)
+    )
+    layout.git_read = tuple(
+        (p, why) for p, why in dict(merged.read).items() if not _under_any(p, inside)
+    )
+    layout.protect = tuple(dict.fromkeys(merged.protect))
+    layout.notes += list(merged.notes)
+
+
+def refuse_wide_workspace(project: ProjectRoot, home: str, cwd: str) -> None:
+    """A default workspace that is `/` or the home directory itself must be named."""
+    wide = {"/", os.path.realpath(home)} if home else {"/"}
+    path = project.path
+    if path not in wide:
+        return
+    what = "the whole file system" if path == "/" else "your whole home directory"
+    found = f" (the project root: it holds {project.marker})" if project.marker else ""
+    narrower = f", --write-root {cwd} for the current directory only" if cwd != path else ""
+    raise EgressboxError(
+        f"the workspace would be {path}{found}, {what}: every file there would be writable by "
+        f"the command; run it from a project directory, or pass --write-root {path} to mean "
+        f"it{narrower}"
+    )
+
+
+def refuse_cwd_outside(
+    cwd: str, roots: Sequence[str], hidden: Sequence[str], project: ProjectRoot | None
+) -> None:
+    """The working directory must exist in the child's view: inside a granted root."""
+    if any(is_under(cwd, root) for root in roots) and not _under_any(cwd, hidden):
+        return
+    admit = f"--write-root {cwd} (or --read-root {cwd})"
+    if project is None:
+        found = find_project_root(cwd)
+        if found.marker:
+            admit = f"--write-root {found.path} (its project root: it holds {found.marker})"
+    raise EgressboxError(
+        f"the working directory {cwd} is outside every root, so it would not exist for the "
+        f"command; run from inside a root, or add {admit}"
+    )
+
+
+def _under_any(path: str, roots: Sequence[str]) -> bool:
+    return any(is_under(path, root) for root in roots)
+
+
+# -- real toolchain caches -----------------------------------------------------------------
+
+
+def cache_check(home: str, denied: Sequence[str]) -> Callable[[str], str]:
+    """Why `--toolchain-cache real` may not grant a path ("" when it may).
+
+    Only an existing directory, by its own name: not the home directory or one above it,
+    nothing on the credential deny list, and never through a symlink (a command that could
+    write an earlier real cache could have replaced it with a link to ~/bin). Nothing is made
+    in the home directory: a cache that does not exist yet stays in the scratch space.
+    """
+    real_home = os.path.realpath(home) if home else ""
+
+    def check(path: str) -> str:
+        if not os.path.isabs(path):
+            return "not an absolute path"
+        if path == "/" or (real_home and is_under(real_home, path)):
+            return "it holds the home directory"
+        if _under_any(path, denied) or any(is_under(d, path) for d in denied):
+            return "the credential deny list covers it"
+        if not os.path.lexists(path):
+            return MISSING
+        if os.path.realpath(path) != path or not os.path.isdir(path):
+            return "a symlink is on its way, or it is no directory"
+        return ""
+
+    return check
+
+
+# -- announcements ---------------------------------------------------------------------------
+
+
+def announce_lines(
+    *,
+    write: Sequence[tuple[str, str]],
+    read: Sequence[tuple[str, str]],
+    sockets: Sequence[str],
+    unconfined_files: bool,
+) -> list[str]:
+    """One line per root added beyond the workspace, as Harn prints them."""
+    suffix = (
+        "; profile unrestricted applies no filesystem rules: every path you may use, the "
+        "command may too"
+        if unconfined_files
+        else ""
+    )
+    lines = [f"{ANNOUNCE}extra write root: {p}{_why(w)}{suffix}" for p, w in write]
+    lines += [f"{ANNOUNCE}extra read root: {p}{_why(w)}{suffix}" for p, w in read]
+    lines += [f"{ANNOUNCE}extra unix socket root: {p}{suffix}" for p in sockets]
+    return list(dict.fromkeys(lines))
+
+
+def _why(why: str) -> str:
+    return f" ({why})" if why else ""
+
+
+def expand(paths: Sequence[str], home: str) -> tuple[str, ...]:
+    return tuple(os.path.realpath(expand_user(p, home)) for p in paths)
