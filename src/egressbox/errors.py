@@ -39,6 +39,13 @@ class Reason(StrEnum):
     # A captured plain-HTTP connection's Host header names another host than the name it
     # was decided for: closed before any byte goes upstream.
     HOST_MISMATCH = "host_mismatch"
+    # Approval on a miss (proxy/approval.py): a destination no allow entry admits, let
+    # through once or for the session by the decider that was asked, or refused by it
+    # (a deny answer, a failed decider) or because nobody answered in time.
+    APPROVED = "approved"
+    APPROVED_SESSION = "approved_session"
+    APPROVAL_DENIED = "approval_denied"
+    APPROVAL_TIMEOUT = "approval_timeout"
     # Replies and logs only: the audit sink failed, so nothing is admitted
     # (and no record can say so).
     AUDIT_UNAVAILABLE = "audit_unavailable"

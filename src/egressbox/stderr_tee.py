@@ -52,6 +52,8 @@ WRITE_POLL_MS = 1000
 # While `run` is a background job of its terminal, the relay looks again this often
 # whether it is in the foreground (reading the terminal before would stop the run).
 BACKGROUND_POLL_MS = 200
+# hold(): the longest wait for a relay step under way (it may be blocked on our terminal).
+HOLD_WAIT = 1.0
 # The child's fds 0, 1, 2 and which of our fds each one would inherit.
 STD_STREAMS: tuple[int | None, int | None, int | None] = (0, 1, 2)
 _HUNG = select.POLLHUP | select.POLLERR | select.POLLNVAL
@@ -244,6 +246,9 @@ class TerminalRelay:
         self._done = _thread.allocate_lock()
         self._stop = -1
         self._started = False
+        # hold(): the caller's terminal belongs to a question for a moment (runner/ask.py).
+        self._held = False
+        self._step_lock = _thread.allocate_lock()  # one relay step, or a hold() waiting
 
     @classmethod
     def open(
@@ -357,6 +362,21 @@ class TerminalRelay:
     def tail(self) -> bytes:
         return self._tail.get()
 
+    def hold(self) -> None:
+        """Copy nothing either way until release(): the command's output waits in its pty
+        and what is typed stays in our terminal (a question is asked there meanwhile).
+        Returns once no copy is under way (or after HOLD_WAIT, when one is stuck writing to a
+        blocked terminal: then the hold begins after it)."""
+        locked = self._step_lock.acquire(timeout=HOLD_WAIT)
+        self._held = True
+        if locked:
+            self._step_lock.release()
+
+    def release(self) -> None:
+        """Relay again (within BACKGROUND_POLL_MS)."""
+        with self._step_lock:
+            self._held = False
+
     def finish(self, timeout: float = DRAIN_TIMEOUT) -> bytes:
         """After the command exited: stop reading our terminal at once, wait (bounded) for
         the end of the output, give the terminal back its modes; the tail."""
@@ -419,8 +439,9 @@ class TerminalRelay:
             events = dict(poller.poll(self._arm(poller)))
             if self._stop in events:
                 break
-            if not self._step(events):
-                return
+            with self._step_lock:
+                if not self._held and not self._step(events):
+                    return
         # Told to stop: copy what is there now, then let go.
         for _ in range(FINAL_READS):
             if not self._copy_output(_HUNG):
@@ -428,6 +449,12 @@ class TerminalRelay:
 
     def _arm(self, poller: Any) -> int | None:
         """Register what to wait for; the poll timeout (ms) while we wait for the foreground."""
+        if self._held:  # neither side is watched: look again soon whether we may go on
+            for fd in (self.master, self._reader):
+                if fd >= 0:
+                    with contextlib.suppress(KeyError):
+                        poller.unregister(fd)
+            return BACKGROUND_POLL_MS
         poller.register(self.master, select.POLLIN | (select.POLLOUT if self._pending else 0))
         if self._reader < 0:
             return None

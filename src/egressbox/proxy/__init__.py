@@ -7,6 +7,8 @@
     forward    plain HTTP forwarding, request by request
     server     EgressProxy: listeners, limits, drain, reload
     dns        the DNS a child's namespace asks (names the policy could admit only)
+    approval   approval on a miss: the questions a decider answers (deny, once, session)
 
-Imports run one way: server -> listeners -> forward -> tunnel -> gate (a test fails on a cycle).
+Imports run one way: server -> listeners -> forward -> tunnel -> gate -> approval (a test
+fails on a cycle).
 """

@@ -24,12 +24,22 @@ from egressbox.audit import (
     StreamSink,
     decision_line,
 )
-from egressbox.decide import Decision, SelfEndpoints, bad_target, deny, parse_target
+from egressbox.decide import (
+    Decision,
+    NamePass,
+    SelfEndpoints,
+    bad_target,
+    decide_addresses,
+    deny,
+    parse_target,
+)
 from egressbox.egress import Pending, check_now
-from egressbox.errors import AuditError, HostError, Reason
+from egressbox.errors import AuditError, HostError, Reason, Verdict
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.limits import Limits
 from egressbox.policy import Policy
+from egressbox.protocols.upstream import Upstream
+from egressbox.proxy.approval import Approvals, MissRequest
 from egressbox.relay import (
     RelayStats,
     Tunnel,
@@ -61,6 +71,23 @@ class OpenTarget(NamedTuple):
     host: str
     port: int
     addresses: tuple[IPAddress, ...]  # the checked addresses it was admitted with
+
+
+class Meter(Protocol):
+    """What serve's metrics (egressbox.metrics) hear from the proxy: one call per audit
+    record written (so the counts always add up to the log), per failed audit write and
+    per ended tunnel, and the resolver's queries (resolve.DnsMeter). Plain calls with
+    enum arguments: the gate builds no labels."""
+
+    def decided(self, protocol: AuditProtocol, verdict: Verdict, reason: Reason) -> None: ...
+
+    def audit_failed(self) -> None: ...
+
+    def relayed(self, up: int, down: int) -> None: ...
+
+    def dns_query(self, seconds: float, outcome: str) -> None: ...
+
+    def dns_cache_hit(self) -> None: ...
 
 
 class Held(Protocol):
@@ -112,6 +139,12 @@ class ProxyState:
     log_allowed: bool = True
     # `run` with capture: the names a child looked up, by their synthetic addresses.
     synthetic: SyntheticNames | None = None
+    # Chaining: allowed connections are made through this upstream proxy (proxy/upstream.py).
+    upstream: Upstream | None = None
+    # Approval on a miss (approval.py): who is asked about a destination no entry admits.
+    approvals: Approvals | None = None
+    # serve --admin: counts decisions, audit failures and relayed bytes (None: nothing).
+    meter: Meter | None = None
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         return self.loop or asyncio.get_running_loop()
@@ -151,6 +184,8 @@ class ProxyState:
         except AuditError as exc:
             self._audit_failed(exc)
             raise
+        if self.meter is not None:
+            self.meter.decided(record.protocol, record.decision, record.reason)
         if self.on_record is not None:
             self.on_record(record)
 
@@ -174,6 +209,8 @@ class ProxyState:
                 except AuditError as exc:
                     self._audit_failed(exc)
                     raise
+                if self.meter is not None:
+                    self.meter.decided(protocol, decision.verdict, decision.reason)
                 return
         record = AuditRecord.create(
             protocol, decision.host, decision.port, decision.verdict, decision.reason
@@ -198,6 +235,8 @@ class ProxyState:
         return True
 
     def _audit_failed(self, exc: AuditError) -> None:
+        if self.meter is not None:
+            self.meter.audit_failed()
         if self.audit_error is None:
             self.audit_error = str(exc)
             stderr_log(f"audit log cannot be written ({exc}); refusing new connections")
@@ -259,6 +298,10 @@ class _TunnelEnd:
         state = self.state
         state.tunnels.pop(self.tunnel, None)
         state.client_closed(self.client)
+        meter = state.meter
+        if meter is not None:
+            ended = done.result()
+            meter.relayed(ended.bytes_up, ended.bytes_down)
         if state.log is None or not state.log_allowed:
             return
         stats = done.result()
@@ -293,6 +336,10 @@ def gate_now(
         if isinstance(decided, Pending):
             return decided
         decision = decided
+        if state.approvals is not None and decision.reason is Reason.NO_ALLOW_RULE:
+            held = _held(state, protocol, decision, host, port)
+            if held is not None:
+                return held
     return gate_audited(state, protocol, decision, host, port, record_port=record_port)
 
 
@@ -321,3 +368,98 @@ def _refusal(host: str, port: int | str, reason: Reason, detail: str) -> Decisio
     except HostError as exc:
         return bad_target(exc, port)
     return deny(reason, target, detail)
+
+
+# -- approval on a miss (approval.py) ----------------------------------------------------
+
+
+def _held(
+    state: ProxyState, protocol: AuditProtocol, decision: Decision, host: str, port: int | str
+) -> HeldMiss | None:
+    """A miss the approvals may lift, held as a Pending; None to refuse it as it is. Only a
+    plain `no_allow_rule` denial qualifies (report mode lets misses through unasked); a DNS
+    question is answered by the name rules alone; an IP literal whose one address is refused
+    anyway is never asked about."""
+    policy, approvals = state.policy, state.approvals
+    if (
+        approvals is None
+        or policy is None
+        or decision.verdict is not Verdict.DENY
+        or protocol is AuditProtocol.DNS
+    ):
+        return None
+    try:
+        target = parse_target(host, port)
+    except HostError:
+        return None
+    passed = NamePass(target, None)
+    ip = target.host.ip
+    if ip is not None:
+        checked = decide_addresses(policy, passed, (ip,), self_endpoints=state.self_endpoints)
+        if not checked.allowed:
+            return None
+    return HeldMiss(
+        policy,
+        state.resolver,
+        passed,
+        state.self_endpoints,
+        approvals=approvals,
+        protocol=protocol,
+    )
+
+
+class HeldMiss(Pending):
+    """A request no allow entry admits, held while the approvals answer. A Pending, so every
+    caller awaits it (and audits the result) as it awaits a DNS query. An allow answer lifts
+    the missing entry for the name only: the name is then resolved and every address judged
+    as for an allowed name, under the policy the request came in with."""
+
+    __slots__ = ("approvals", "protocol")
+
+    def __init__(
+        self,
+        policy: Policy,
+        resolver: Resolver,
+        passed: NamePass,
+        self_endpoints: SelfEndpoints,
+        *,
+        approvals: Approvals,
+        protocol: AuditProtocol,
+    ) -> None:
+        super().__init__(policy, resolver, passed, self_endpoints)
+        self.approvals = approvals
+        self.protocol = protocol
+
+    async def finish(self) -> Decision:
+        target = self.passed.target
+        request = MissRequest(self.protocol.value, target.host.text, target.port)
+        outcome = await self.approvals.ask(request)
+        if not outcome.allowed:
+            return deny(outcome.reason, target, f"no allow entry admits it; {outcome.detail}")
+        ip = target.host.ip
+        if ip is not None:
+            decision = decide_addresses(
+                self.policy, self.passed, (ip,), self_endpoints=self.self_endpoints
+            )
+        else:
+            # A plain Pending for the rest: the same resolution and address checks.
+            resolving = Pending(self.policy, self.resolver, self.passed, self.self_endpoints)
+            decision = await resolving.finish()
+        if decision.reason is not Reason.ALLOWED:
+            return decision  # an address refused it (or DNS failed): approval lifts no ban
+        return dataclasses.replace(decision, reason=outcome.reason, detail=outcome.detail)
+
+
+def recheck_session_approved(state: ProxyState, target: OpenTarget) -> Decision | None:
+    """close_denied() for an open connection whose target a session answer admits: the
+    missing entry stays lifted, its addresses are judged under the current policy. None
+    when no session answer admits it."""
+    approvals, policy = state.approvals, state.policy
+    if approvals is None or policy is None or not approvals.admits(target.host, target.port):
+        return None
+    try:
+        parsed = parse_target(target.host, target.port)
+    except HostError as exc:
+        return bad_target(exc, target.port)
+    passed = NamePass(parsed, None)
+    return decide_addresses(policy, passed, target.addresses, self_endpoints=state.self_endpoints)

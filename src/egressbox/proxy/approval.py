@@ -1,0 +1,338 @@
+"""Approval on a miss: a destination no allow entry admits is held while a decider answers.
+
+The gate (gate.py) hands a request whose only fault is `no_allow_rule` to `Approvals.ask()`
+instead of refusing it, and the connection waits there without a reply. The decider (a
+callback, the `--ask-command` program, or the terminal prompt of `run --ask`) answers `deny`,
+`once` (this request) or `session` (this host and port until the proxy stops); no answer within
+`timeout` seconds denies. Concurrent misses for the same host and port share one question.
+
+An answer only lifts the missing allow entry for the name: the gate then resolves the name
+and judges every address exactly as for an allowed name (deny_cidrs, cloud metadata, the
+private and special ranges, the proxy's own listeners). Deny entries, bad hosts and ports,
+report mode and DNS questions of a captured child are never asked about; neither is an IP
+literal whose address is refused anyway.
+
+Reasons in the audit record (one per request, as always): `approved` (allowed once),
+`approved_session` (the session answer, and every later request it admits), `approval_denied`
+(the decider said deny, failed, or gave no valid answer) and `approval_timeout`.
+
+The `--ask-command` protocol: the program (no shell) gets one JSON line on stdin,
+`{"protocol": "connect", "host": "example.org", "port": 443}`, and the same three values in
+EGRESSBOX_PROTOCOL, EGRESSBOX_HOST and EGRESSBOX_PORT; its environment holds nothing else but
+PATH. It answers with one word on the first line of stdout: `deny`, `once` or `session`. A
+non-zero exit status, any other answer or more than MAX_ANSWER_BYTES of output deny; when the
+question times out (or the proxy stops), its process group is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from enum import StrEnum
+from typing import NamedTuple
+
+from egressbox.errors import Reason
+from egressbox.hosts import format_authority
+
+# How long a question may stay open before it denies (`--ask-timeout`): long enough to read
+# a prompt and decide, short enough that a client's own timeout (curl and pip wait longer
+# for a connect) does not give up first.
+DEFAULT_TIMEOUT = 30.0
+# Distinct questions open at once; more are denied at once (a client inventing names must not
+# queue unbounded work behind a person or a program).
+MAX_OPEN_QUESTIONS = 16
+# The longest answer --ask-command may write ("session\n" is 8 bytes).
+MAX_ANSWER_BYTES = 256
+# After a killed --ask-command, how long to wait for it to be reaped.
+KILL_WAIT = 2.0
+# How long closing the proxy waits for open questions to wind down.
+CLOSE_WAIT = 2.0
+# PATH for --ask-command when ours has none.
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+class Answer(StrEnum):
+    """What a decider says about a destination no allow entry admits."""
+
+    DENY = "deny"
+    ONCE = "once"  # this request (and those asking the same question with it)
+    SESSION = "session"  # this host and port, until the proxy stops
+
+
+class MissRequest(NamedTuple):
+    """What a decider is asked about: the request's protocol and its normalized target."""
+
+    protocol: str  # http | connect | socks5 | tcp
+    host: str
+    port: int
+
+    @property
+    def authority(self) -> str:
+        return format_authority(self.host, self.port)
+
+
+# A decider: sync or async, answering an Answer or its text. A sync one runs on the event
+# loop, so it must not block (ask a person or a program from an async one).
+Decider = Callable[[MissRequest], "Answer | str | Awaitable[Answer | str]"]
+Log = Callable[[str], None]
+
+
+class Outcome(NamedTuple):
+    """A question's result, as the gate audits it."""
+
+    answer: Answer
+    reason: Reason
+    detail: str
+
+    @property
+    def allowed(self) -> bool:
+        return self.answer is not Answer.DENY
+
+
+_STOPPED = Outcome(Answer.DENY, Reason.APPROVAL_DENIED, "not answered: the proxy stopped")
+
+
+class Approved(NamedTuple):
+    """A destination the decider allowed (for --save-approved)."""
+
+    host: str
+    port: int
+    answer: Answer  # ONCE or SESSION
+
+
+class Approvals:
+    """The questions of one proxy: open ones (shared per host and port), session answers."""
+
+    def __init__(
+        self, decider: Decider, *, timeout: float = DEFAULT_TIMEOUT, log: Log | None = None
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"the approval timeout must be more than 0 seconds, got {timeout}")
+        self.decider = decider
+        self.timeout = timeout
+        self.log = log
+        self._session: dict[tuple[str, int], None] = {}
+        self._approved: dict[tuple[str, int], Answer] = {}
+        self._open: dict[tuple[str, int], asyncio.Task[Outcome]] = {}
+        self._closed = False
+
+    def admits(self, host: str, port: int) -> bool:
+        """Whether a session answer admits `host:port` (no question needed)."""
+        return (host, port) in self._session
+
+    def approved(self) -> list[Approved]:
+        """Every destination allowed so far, in the order first allowed; a session answer
+        wins over an earlier once."""
+        return [Approved(host, port, answer) for (host, port), answer in self._approved.items()]
+
+    async def ask(self, request: MissRequest) -> Outcome:
+        """The outcome for `request`: at once for a session answer, else the (shared) question."""
+        key = (request.host, request.port)
+        if key in self._session:
+            return Outcome(Answer.SESSION, Reason.APPROVED_SESSION, "approved for the session")
+        task = self._open.get(key)
+        if task is None:
+            if self._closed or len(self._open) >= MAX_OPEN_QUESTIONS:
+                why = "the proxy is stopping" if self._closed else "too many questions are open"
+                return Outcome(Answer.DENY, Reason.APPROVAL_DENIED, f"not asked: {why}")
+            task = asyncio.get_running_loop().create_task(self._question(request))
+            self._open[key] = task
+            task.add_done_callback(lambda done: self._closed_question(key, done))
+        # Shielded: one waiter leaving (its client gone) must not end the others' question.
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                return _STOPPED  # close() ended the question before it began
+            raise
+
+    def _closed_question(self, key: tuple[str, int], task: asyncio.Task[Outcome]) -> None:
+        if self._open.get(key) is task:
+            del self._open[key]
+
+    async def _question(self, request: MissRequest) -> Outcome:
+        try:
+            async with asyncio.timeout(self.timeout):
+                answer = await self._call(request)
+        except TimeoutError:
+            detail = f"no answer within {self.timeout:g} s"
+            return Outcome(Answer.DENY, Reason.APPROVAL_TIMEOUT, detail)
+        except asyncio.CancelledError:
+            if not self._closed:
+                raise
+            # close(): every request still waiting gets its refusal, audited as any other.
+            return _STOPPED
+        except Exception as exc:  # the decider's failure denies; it never breaks the proxy
+            self._say(f"ask {request.protocol} {request.authority}: the decider failed: {exc!r}")
+            return Outcome(Answer.DENY, Reason.APPROVAL_DENIED, "the decider failed")
+        return self._settle(request, answer)
+
+    async def _call(self, request: MissRequest) -> Answer | str:
+        answer = self.decider(request)
+        if isinstance(answer, Awaitable):
+            return await answer
+        return answer
+
+    def _settle(self, request: MissRequest, answer: object) -> Outcome:
+        key = (request.host, request.port)
+        try:
+            if not isinstance(answer, str):
+                raise ValueError(answer)
+            chosen = Answer(answer.strip().lower())
+        except ValueError:
+            self._say(f"ask {request.protocol} {request.authority}: not an answer: {answer!r}")
+            return Outcome(Answer.DENY, Reason.APPROVAL_DENIED, "no valid answer")
+        if chosen is Answer.DENY:
+            return Outcome(chosen, Reason.APPROVAL_DENIED, "denied when asked")
+        if chosen is Answer.SESSION:
+            self._session[key] = None
+            self._approved[key] = chosen
+            return Outcome(chosen, Reason.APPROVED_SESSION, "approved for the session")
+        self._approved.setdefault(key, chosen)
+        return Outcome(chosen, Reason.APPROVED, "approved once")
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+
+    def close(self) -> None:
+        """Deny every open question now (the proxy stops); new ones are denied too."""
+        self._closed = True
+        for task in list(self._open.values()):
+            task.cancel()
+
+    async def aclose(self) -> None:
+        """close(), then wait (bounded) until the deciders have let go (a killed command)."""
+        tasks = list(self._open.values())
+        self.close()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_WAIT)
+
+
+# -- --ask-command -------------------------------------------------------------------------
+
+
+def command_argv(text: str) -> list[str]:
+    """An --ask-command line as argv (split as a shell would; no shell runs it). ValueError
+    says why it cannot run: it does not parse, is empty, or names no executable program."""
+    import shlex
+    import shutil
+
+    argv = shlex.split(text)
+    if not argv:
+        raise ValueError("empty command")
+    if shutil.which(argv[0]) is None:
+        raise ValueError(f"{argv[0]!r} is not an executable program (or not on PATH)")
+    return argv
+
+
+class CommandDecider:
+    """Asks a program (see the module docstring for its protocol)."""
+
+    def __init__(self, argv: Sequence[str], *, path: str | None = None) -> None:
+        if not argv:
+            raise ValueError("the ask command is empty")
+        self.argv = tuple(argv)
+        self.path = path if path is not None else os.environ.get("PATH") or DEFAULT_PATH
+
+    def environment(self, request: MissRequest) -> dict[str, str]:
+        """Nothing of ours: PATH and the request."""
+        return {
+            "PATH": self.path,
+            "EGRESSBOX_PROTOCOL": request.protocol,
+            "EGRESSBOX_HOST": request.host,
+            "EGRESSBOX_PORT": str(request.port),
+        }
+
+    async def __call__(self, request: MissRequest) -> Answer:
+        line = json.dumps(
+            {"protocol": request.protocol, "host": request.host, "port": request.port}
+        )
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=self.environment(request),
+            start_new_session=True,  # its own process group: a timeout kills all of it
+        )
+        try:
+            out = await _exchange(proc, (line + "\n").encode())
+            code = await proc.wait()
+        except BaseException:
+            await _kill(proc)
+            raise
+        if out is None or code != 0:
+            return Answer.DENY
+        first = out.decode("ascii", "replace").partition("\n")[0].strip().lower()
+        try:
+            return Answer(first)
+        except ValueError:
+            return Answer.DENY
+
+
+async def _exchange(proc: asyncio.subprocess.Process, line: bytes) -> bytes | None:
+    """Write the request, read the answer to its end; None when it says too much."""
+    assert proc.stdin is not None and proc.stdout is not None
+    with contextlib.suppress(ConnectionError):  # it need not read its stdin
+        proc.stdin.write(line)
+        await proc.stdin.drain()
+    proc.stdin.close()
+    out = b""
+    while chunk := await proc.stdout.read(MAX_ANSWER_BYTES + 1):
+        out += chunk
+        if len(out) > MAX_ANSWER_BYTES:
+            await _kill(proc)
+            return None
+    return out
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_WAIT)
+
+
+# -- --save-approved -----------------------------------------------------------------------
+
+
+def approved_policy(approved: Sequence[Approved]) -> str:
+    """A policy file admitting what was allowed for the session; once answers are listed
+    commented out (remove the `#` to keep one). `egressbox check` accepts it."""
+    lines = [
+        "# Destinations approved when asked (egressbox run --ask, --ask-command).",
+        "# Allowed for the session: entries. Allowed once: commented out.",
+        "[egress]",
+        "allow = [",
+    ]
+    for item in approved:
+        entry = json.dumps(format_authority(item.host, item.port))
+        if item.answer is Answer.SESSION:
+            lines.append(f"    {entry},")
+        else:
+            lines.append(f"    # {entry},  # allowed once")
+    lines.append("]")
+    return "\n".join(lines) + "\n"
+
+
+def save_approved(path: str, approved: Sequence[Approved]) -> None:
+    """Write approved_policy() to `path` in one step (a reader never sees half of it)."""
+    text = approved_policy(approved)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=".egressbox-approved-", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
