@@ -156,6 +156,8 @@ def test_failure_codes() -> None:
         "connect_timeout",
         "network_unreachable",
         "connect_failed",
+        "upstream_failed",
+        "upstream_denied",
     ]
 
 

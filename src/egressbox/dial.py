@@ -56,6 +56,11 @@ class DialFailure(StrEnum):
     CONNECT_TIMEOUT = "connect_timeout"  # HTTP 504, SOCKS 0x04
     NETWORK_UNREACHABLE = "network_unreachable"  # HTTP 502, SOCKS 0x03
     CONNECT_FAILED = "connect_failed"  # HTTP 502, SOCKS 0x01
+    # Through an upstream proxy (proxy/upstream.py): it could not be reached, broke the
+    # handshake or failed the destination for an unknown reason; or it refused the
+    # destination itself (egressbox's own decision had admitted it).
+    UPSTREAM_FAILED = "upstream_failed"  # HTTP 502, SOCKS 0x01
+    UPSTREAM_DENIED = "upstream_denied"  # HTTP 502, SOCKS 0x01
 
 
 class DialError(EgressboxError):

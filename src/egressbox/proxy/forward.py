@@ -46,6 +46,7 @@ from egressbox.dial import DialError, Dialing, start_connect
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.protocols import http1
 from egressbox.proxy.gate import OpenTarget
+from egressbox.proxy.upstream import UpstreamDial, dial_through
 from egressbox.replies import dial_http_status, http_status
 
 if TYPE_CHECKING:
@@ -190,7 +191,8 @@ class Forwarder(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0  # when `timer` fires
         self.task: asyncio.Task[None] | None = None
-        self.dialing: Dialing | None = None
+        # UpstreamDial when chaining (an interpreted class: not a compiled Dialing).
+        self.dialing: Dialing | UpstreamDial | None = None
 
     # -- the client transport's protocol -------------------------------------------
 
@@ -390,12 +392,27 @@ class Forwarder(asyncio.Protocol):
 
         def dialed(transport: asyncio.Transport | None, error: DialError | None) -> None:
             try:
+                if transport is not None and isinstance(self.dialing, UpstreamDial):
+                    # Through an upstream proxy the peer is that proxy: the connection
+                    # is to the checked address it was asked for (or the name's first).
+                    upstream.address = self.dialing.address
                 self._dialed(upstream, decision, error)
             except Exception as exc:  # a bug must not kill the server (nor hang the client)
                 self.state.diagnostic(f"http: internal error while forwarding: {exc!r}")
                 upstream.close()
                 self._end()
 
+        if self.state.upstream is not None:  # chaining: CONNECT, then origin-form inside
+            self.dialing = dial_through(
+                self.state.upstream,
+                self.state.resolver,
+                decision,
+                upstream,
+                dialed,
+                timeout=self.limits.connect_timeout,
+                loop=self.loop,
+            )
+            return
         self.dialing = start_connect(
             decision.addresses,
             decision.port,

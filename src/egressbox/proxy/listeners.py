@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+from collections.abc import Callable, Sequence
+from typing import cast
 
 from egressbox.audit import AuditProtocol, AuditRecord
 from egressbox.decide import Decision
@@ -20,7 +22,15 @@ from egressbox.dial import DialError
 from egressbox.errors import AuditError, Reason, Verdict
 from egressbox.hosts import INVALID_HOST_TEXT
 from egressbox.protocols import http1, socks5
-from egressbox.proxy.gate import ProxyState
+from egressbox.protocols.proxy_header import (
+    IPNetwork,
+    ProxyHeader,
+    ProxyHeaderError,
+    ProxyHeaderReader,
+    is_trusted,
+    unmapped,
+)
+from egressbox.proxy.gate import ProxyState, stderr_log
 from egressbox.proxy.tunnel import Connection
 from egressbox.replies import dial_http_status, dial_socks_code, http_status, socks_code
 
@@ -265,3 +275,138 @@ class CapturedConnection(Connection):
 
     def established(self, upstream: asyncio.Transport) -> bytes:
         return b""  # the child's connect already succeeded; the bytes flow as they come
+
+
+# -- the PROXY protocol in front of the HTTP and SOCKS5 listeners (serve --proxy-protocol) --
+
+# Causes of a refusal before the header is read, beside ProxyHeaderError's (stable:
+# counted in ProxyHeaderGate.refusals and documented in README "PROXY protocol").
+UNTRUSTED_SOURCE = "untrusted_source"
+HEADER_TIMEOUT = "header_timeout"
+CLOSED_BEFORE_HEADER = "closed_before_header"
+
+
+class ProxyHeaderGate:
+    """Who may open a connection (the trusted balancers) and what was refused, by cause.
+
+    A refusal is no destination decision (no destination was asked for), so it is not
+    audited: it is counted here, and the first of each cause is said on stderr."""
+
+    def __init__(self, trusted: Sequence[IPNetwork]) -> None:
+        self.trusted = tuple(trusted)
+        self.refusals: dict[str, int] = {}
+
+    def trusts(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        return is_trusted(ip, self.trusted)
+
+    def refused(self, cause: str, peer: str, message: str) -> None:
+        count = self.refusals.get(cause, 0) + 1
+        self.refusals[cause] = count
+        if count == 1:
+            stderr_log(
+                f"proxy protocol: refused a connection from {peer}: {message} ({cause}; "
+                "later refusals for this cause are counted, not said)"
+            )
+
+
+class ProxyHeaderConnection(asyncio.Protocol):
+    """A connection until its PROXY protocol header is read: then the listener's own
+    protocol takes the transport, with the client the header names (for
+    max_connections_per_client and diagnostics) and the bytes after the header.
+
+    Held in state.connections meanwhile (the drain and max_connections count it); the
+    header must come within [limits] head_timeout, and the request head then gets the
+    listener's own head_timeout."""
+
+    def __init__(
+        self,
+        state: ProxyState,
+        gate: ProxyHeaderGate,
+        listener: Callable[[ProxyState], Connection],
+    ) -> None:
+        self.state = state
+        self.gate = gate
+        self.listener = listener
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.reader = ProxyHeaderReader()
+        self.peer = "-"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        ip = _peer_ip(peer)
+        self.peer = str(ip) if ip is not None else "-"
+        if ip is None or not self.gate.trusts(ip):
+            self._refuse(UNTRUSTED_SOURCE, "not a trusted sender (--proxy-protocol-from)")
+            return
+        state = self.state
+        state.connections.add(self)
+        self.timer = state.event_loop().call_later(state.limits.head_timeout, self._timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            header = self.reader.feed(data)
+        except ProxyHeaderError as exc:
+            self._refuse(exc.cause, str(exc))
+            return
+        except Exception as exc:  # a bug must not leave the connection (and its slot) open
+            self.state.internal_error("proxy protocol", exc)
+            self.abort()
+            return
+        if header is not None:
+            self._hand_over(header)
+
+    def eof_received(self) -> bool:
+        self._refuse(CLOSED_BEFORE_HEADER, "the sender closed before a whole header")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        self.state.connections.discard(self)
+
+    def target(self) -> None:
+        return None  # nothing is connected yet
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        self._refuse(HEADER_TIMEOUT, "no whole header within [limits] head_timeout")
+
+    def _refuse(self, cause: str, message: str) -> None:
+        self._cancel_timer()
+        self.gate.refused(cause, self.peer, message)
+        self.abort()
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _hand_over(self, header: ProxyHeader) -> None:
+        transport = self.transport
+        assert transport is not None
+        self._cancel_timer()
+        self.state.connections.discard(self)
+        self.transport = None
+        conn = self.listener(self.state)
+        source = header.source
+        # LOCAL (or UNKNOWN): the balancer's own connection, so it is the client.
+        conn.client = self.peer if header.local or source is None else str(unmapped(source[0]))
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
+        rest = self.reader.trailing
+        if rest and not transport.is_closing():
+            conn.data_received(rest)
+
+
+def _peer_ip(peer: object) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    if not isinstance(peer, tuple) or not peer:
+        return None
+    try:
+        return unmapped(ipaddress.ip_address(str(peer[0]).partition("%")[0]))
+    except ValueError:
+        return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -30,15 +31,35 @@ from egressbox.audit import (
 )
 from egressbox.decide import SelfEndpoints
 from egressbox.egress import recheck
+from egressbox.errors import Reason
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.limits import Limits
 from egressbox.netinfo import local_addresses
 from egressbox.policy import Policy
-from egressbox.proxy.gate import Credentials, Held, Log, OpenTarget, ProxyState, RecordCallback
+from egressbox.protocols.proxy_header import parse_trusted
+from egressbox.protocols.upstream import (
+    Upstream,
+    UpstreamCredentials,
+    UpstreamProxy,
+    credentials_from_env,
+)
+from egressbox.proxy.approval import DEFAULT_TIMEOUT as DEFAULT_ASK_TIMEOUT
+from egressbox.proxy.approval import Approvals, Decider
+from egressbox.proxy.gate import (
+    Credentials,
+    Held,
+    Log,
+    Meter,
+    OpenTarget,
+    ProxyState,
+    RecordCallback,
+    recheck_session_approved,
+)
+from egressbox.proxy.listeners import ProxyHeaderConnection, ProxyHeaderGate
 from egressbox.proxy.tunnel import Connection
 
 # Imported at run time: compiled dataclasses resolve their field types.
-from egressbox.resolve import Resolution, Resolver
+from egressbox.resolve import DnsMeter, Resolution, Resolver
 from egressbox.synthetic import SyntheticNames
 
 # Listen backlog: large enough for a burst of short tunnels from a parallel
@@ -105,11 +126,25 @@ class EgressProxy:
         capture_sockets: Sequence[socket.socket] = (),
         dns_sockets: Sequence[socket.socket] = (),
         synthetic: SyntheticNames | None = None,
+        meter: Meter | None = None,
+        on_miss: Decider | None = None,
+        ask_timeout: float = DEFAULT_ASK_TIMEOUT,
+        proxy_protocol_from: Sequence[str] | None = None,
+        upstream: UpstreamProxy | None = None,
+        upstream_credentials: UpstreamCredentials | None = None,
     ) -> None:
         """`log` gets one line per connection; with `log_allowed` False only refusals (the
         audit records have everything). `capture_sockets` (listeners a child's connections
         are redirected to) and `dns_sockets` (UDP sockets and TCP listeners of its DNS) serve
-        `run` with capture; `synthetic` is the names they share."""
+        `run` with capture; `synthetic` is the names they share. `meter` (serve --admin)
+        counts decisions, audit failures, relayed bytes and the own resolver's queries.
+        `on_miss` is asked about a destination no allow entry admits (proxy/approval.py:
+        deny, once or session; no answer within `ask_timeout` seconds denies).
+        `proxy_protocol_from` (CIDR texts; None: off) makes the HTTP and SOCKS5 listeners
+        read a PROXY protocol header first and refuse every other sender. `upstream`
+        chains to that proxy instead of the policy's [egress] upstream (README "Through
+        an upstream proxy"); its credentials default to EGRESSBOX_UPSTREAM_USER/PASSWORD, read
+        once when an upstream is first used (ValueError when only one of them is set)."""
         self.records: list[AuditRecord] = []
         if keep_records:
             on_record = _chain(self.records.append, on_record)
@@ -122,7 +157,7 @@ class EgressProxy:
         self._own_resolver = resolver is None
         self.state = ProxyState(
             policy=policy,
-            resolver=resolver or default_resolver(policy),
+            resolver=resolver or default_resolver(policy, meter),
             limits=limits or (policy.limits if policy is not None else Limits()),
             audit=audit,
             on_record=on_record,
@@ -132,7 +167,20 @@ class EgressProxy:
             synthetic=synthetic
             if synthetic is not None
             else (SyntheticNames() if capture_sockets or dns_sockets else None),
+            meter=meter,
+            approvals=Approvals(on_miss, timeout=ask_timeout, log=log)
+            if on_miss is not None
+            else None,
         )
+        self.header_gate = (
+            ProxyHeaderGate(parse_trusted(proxy_protocol_from))
+            if proxy_protocol_from is not None
+            else None
+        )
+        self._upstream = upstream
+        self._upstream_credentials = upstream_credentials
+        self._credentials_read = upstream_credentials is not None
+        self.state.upstream = self._upstream_for(policy)
         self._servers: list[asyncio.Server] = []
         self.listeners: list[Listener] = []
 
@@ -198,9 +246,18 @@ class EgressProxy:
             raise OSError(exc.errno, f"{kind} listener on {where}: {exc.strerror}") from None
 
     async def _serve(self, kind: str, sock: socket.socket, factory: type[Connection]) -> None:
-        state = self.state
+        state, gate = self.state, self.header_gate
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: factory(state), sock=sock, backlog=LISTEN_BACKLOG)
+        if gate is not None:  # --proxy-protocol: the header first, then the listener's own
+            server = await loop.create_server(
+                lambda: ProxyHeaderConnection(state, gate, factory),
+                sock=sock,
+                backlog=LISTEN_BACKLOG,
+            )
+        else:
+            server = await loop.create_server(
+                lambda: factory(state), sock=sock, backlog=LISTEN_BACKLOG
+            )
         self._servers.append(server)
         name = sock.getsockname()
         self.listeners.append(Listener(kind, (_unmapped_text(name[0]), name[1])))
@@ -222,6 +279,9 @@ class EgressProxy:
         state.accepting = False
         for server in self._servers:
             server.close()
+        if state.approvals is not None:
+            # Requests held for an answer are refused now (audited), not left to the drain.
+            await state.approvals.aclose()
         timeout = state.limits.drain_timeout if drain_timeout is None else drain_timeout
         deadline = time.monotonic() + timeout
         while (state.connections or state.tunnels) and time.monotonic() < deadline:
@@ -241,6 +301,9 @@ class EgressProxy:
         """
         state = self.state
         state.accepting = False
+        if state.approvals is not None:
+            with contextlib.suppress(RuntimeError):
+                state.approvals.close()
         # A closed loop refuses to schedule the transports' callbacks: go on.
         for server in self._servers:
             with contextlib.suppress(RuntimeError):
@@ -275,9 +338,11 @@ class EgressProxy:
         state = self.state
         old = state.policy
         if self._own_resolver and (old is None or old.dns != policy.dns):
-            state.resolver = default_resolver(policy)
+            state.resolver = default_resolver(policy, state.meter)
         state.limits = policy.limits
         state.policy = policy
+        if self._upstream is None:  # the policy's [egress] upstream, unless one was given
+            state.upstream = self._upstream_for(policy)
         return self.close_denied() if close_denied else 0
 
     def close_denied(self) -> int:
@@ -313,6 +378,8 @@ class EgressProxy:
             target.addresses,
             self_endpoints=state.self_endpoints,
         )
+        if decision.reason is Reason.NO_ALLOW_RULE:
+            decision = recheck_session_approved(state, target) or decision
         if not decision.allowed and state.log is not None:
             state.diagnostic(
                 f"{target.protocol} {format_authority(target.host, target.port)} closed:"
@@ -323,6 +390,11 @@ class EgressProxy:
     @property
     def policy(self) -> Policy | None:
         return self.state.policy
+
+    @property
+    def approvals(self) -> Approvals | None:
+        """The questions asked on a miss and their answers (None without on_miss)."""
+        return self.state.approvals
 
     def _first(self, kind: str) -> Listener | None:
         return next((item for item in self.listeners if item.kind == kind), None)
@@ -353,7 +425,27 @@ class EgressProxy:
             found = self._first(kind)
             if found is not None:
                 line[kind] = found.authority
+        upstream = self.state.upstream
+        if upstream is not None:
+            line["upstream"] = upstream.proxy.url
+            line["pinning"] = upstream.proxy.pinning
         return line
+
+    @property
+    def proxy_protocol_refusals(self) -> dict[str, int]:
+        """Connections refused before a PROXY protocol header was read, by cause."""
+        return dict(self.header_gate.refusals) if self.header_gate is not None else {}
+
+    def _upstream_for(self, policy: Policy | None) -> Upstream | None:
+        """The upstream to chain to: the one given, else the policy's (None: dial directly).
+        Credentials are read from the environment once, when an upstream first needs them."""
+        proxy = self._upstream or (policy.upstream if policy is not None else None)
+        if proxy is None:
+            return None
+        if not self._credentials_read:
+            self._credentials_read = True
+            self._upstream_credentials = credentials_from_env(os.environ)
+        return Upstream(proxy, self._upstream_credentials)
 
 
 def _chain(first: RecordCallback, second: RecordCallback | None) -> RecordCallback:
@@ -365,22 +457,23 @@ def _chain(first: RecordCallback, second: RecordCallback | None) -> RecordCallba
     return both
 
 
-def default_resolver(policy: Policy | None) -> Resolver:
+def default_resolver(policy: Policy | None, meter: DnsMeter | None = None) -> Resolver:
     """The resolver a policy's [dns] table describes, built on first use."""
-    return LazyResolver(policy)
+    return LazyResolver(policy, meter)
 
 
 class LazyResolver:
     """Builds the DnsResolver on the first query: importing dnspython costs
     ~30 ms, which `egressbox run -- CMD` would otherwise pay on every start."""
 
-    def __init__(self, policy: Policy | None) -> None:
+    def __init__(self, policy: Policy | None, meter: DnsMeter | None = None) -> None:
         self._policy = policy
+        self._meter = meter
         self._resolver: Resolver | None = None
 
     async def resolve(self, host: str) -> Resolution:
         if self._resolver is None:
-            self._resolver = _dns_resolver(self._policy)
+            self._resolver = _dns_resolver(self._policy, self._meter)
         return await self._resolver.resolve(host)
 
     def resolve_now(self, host: str) -> Resolution | None:
@@ -391,14 +484,20 @@ class LazyResolver:
         return None if lookup is None else cast("Resolution | None", lookup(host))
 
 
-def _dns_resolver(policy: Policy | None) -> Resolver:
+def _dns_resolver(policy: Policy | None, meter: DnsMeter | None = None) -> Resolver:
     from egressbox.resolve import DnsResolver
 
     if policy is None:
-        return DnsResolver()
+        return DnsResolver(meter=meter)
     dns = policy.dns
     servers = [(str(ip), port) for ip, port in dns.nameservers] or None
-    return DnsResolver(servers, timeout=dns.timeout, cache_size=dns.cache_size, max_ttl=dns.max_ttl)
+    return DnsResolver(
+        servers,
+        timeout=dns.timeout,
+        cache_size=dns.cache_size,
+        max_ttl=dns.max_ttl,
+        meter=meter,
+    )
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -24,6 +24,7 @@ from egressbox.errors import AuditError, HostError, Reason
 from egressbox.hosts import format_authority
 from egressbox.protocols import http1
 from egressbox.proxy.gate import OpenTarget, ProxyState, _watch_tunnel, gate_audited, gate_now
+from egressbox.proxy.upstream import UpstreamDial, dial_through
 from egressbox.relay import (
     Tunnel,
     new_tunnel,
@@ -50,7 +51,8 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
-        self.dialing: Dialing | None = None
+        # UpstreamDial when chaining (an interpreted class: not a compiled Dialing).
+        self.dialing: Dialing | UpstreamDial | None = None
         self.dialed: Decision | None = None  # what `dialing` (or `first`) was admitted by
         self.first: FirstBytes | None = None  # the TLS name check between reply and relay
         self.over_limit = False
@@ -60,8 +62,9 @@ class Connection(asyncio.Protocol):
         # uvloop's transports do not subclass asyncio.Transport: cast, don't check.
         self.transport = cast(asyncio.Transport, transport)
         state = self.state
-        peer = transport.get_extra_info("peername")
-        self.client = str(peer[0]) if peer else "-"
+        if not self.client:  # else a PROXY protocol header named the real client
+            peer = transport.get_extra_info("peername")
+            self.client = str(peer[0]) if peer else "-"
         over_client = state.client_opened(self.client)
         self.over_limit = state.over_limit() or over_client
         state.connections.add(self)
@@ -169,11 +172,23 @@ class Connection(asyncio.Protocol):
         loop = state.event_loop()
         tunnel = new_tunnel(idle_timeout=state.limits.idle_timeout, loop=loop)
         self.dialed = decision
+        on_done = functools.partial(self._dialed, tunnel, decision, to_upstream)
+        if state.upstream is not None:  # chaining: the same decision, the last hop differs
+            self.dialing = dial_through(
+                state.upstream,
+                state.resolver,
+                decision,
+                tunnel.upstream_protocol,
+                on_done,
+                timeout=state.limits.connect_timeout,
+                loop=loop,
+            )
+            return
         self.dialing = start_connect(
             decision.addresses,
             decision.port,
             tunnel.upstream_protocol,
-            functools.partial(self._dialed, tunnel, decision, to_upstream),
+            on_done,
             timeout=state.limits.connect_timeout,
             loop=loop,
         )
@@ -322,6 +337,9 @@ class Connection(asyncio.Protocol):
         if self.state.log is None:
             return  # no diagnostics wanted: build no text
         target = format_authority(decision.host, decision.port) if decision.port else decision.host
+        if decision.reason is Reason.TOO_MANY_CONNECTIONS:
+            # Which client is over its cap (behind a balancer: the one the PROXY header named).
+            extra = f"client {self.client}" + (f"; {extra}" if extra else "")
         tail = f" ({extra})" if extra else ""
         self.state.diagnostic(
             f"{self.protocol_name} {target} {decision.verdict.value} {decision.reason.value}{tail}"
