@@ -92,6 +92,16 @@ class Resolver(Protocol):
         ...
 
 
+class DnsMeter(Protocol):
+    """Told of every query a DnsResolver sends (one per shared query: its seconds and
+    outcome, `answer` or a ResolveError's reason) and of every answer taken from its
+    cache; serve's metrics (egressbox.metrics) count them."""
+
+    def dns_query(self, seconds: float, outcome: str) -> None: ...
+
+    def dns_cache_hit(self) -> None: ...
+
+
 # --------------------------------------------------------------------------
 # Nameserver text
 
@@ -362,15 +372,17 @@ class DnsResolver:
         max_ttl: float = MAX_CACHE_TTL,
         clock: Callable[[], float] = time.monotonic,
         resolv_conf: str = RESOLV_CONF,
+        meter: DnsMeter | None = None,
     ) -> None:
         """Resolve with `nameservers` only, or (if none) the hosts file and the system.
 
         An empty `nameservers` counts as none. `hosts_path` (None: no hosts
         file) and `resolv_conf` are read only without nameservers. `clock`
         drives cache expiry and the once-a-second file checks; a test may pass
-        a fake one.
+        a fake one. `meter` hears of each query and cache hit.
         """
         _check_settings(timeout, cache_size, max_ttl)
+        self.meter = meter
         self._timeout = timeout
         self._clock = clock
         self._cache = _AnswerCache(cache_size, max_ttl)
@@ -395,7 +407,10 @@ class DnsResolver:
             if addresses:
                 # Not cached: the file is the cache, re-read when it changes.
                 return Resolution(addresses, (host,), 0.0, "hosts")
-        return self._cache.get(host, self._clock())
+        cached = self._cache.get(host, self._clock())
+        if cached is not None and self.meter is not None:
+            self.meter.dns_cache_hit()
+        return cached
 
     async def resolve(self, host: str) -> Resolution:
         """Resolve `host`; see the Resolver protocol."""
@@ -420,9 +435,19 @@ class DnsResolver:
             task.exception()  # retrieved, so no "never retrieved" warning
 
     async def _query_and_cache(self, host: str) -> Resolution:
-        answer = await self._query(host)
+        started = time.perf_counter()
+        try:
+            answer = await self._query(host)
+        except ResolveError as exc:
+            self._measured(started, exc.reason.value)
+            raise
+        self._measured(started, "answer")
         self._cache.put(host, answer, self._clock())
         return answer
+
+    def _measured(self, started: float, outcome: str) -> None:
+        if self.meter is not None:
+            self.meter.dns_query(time.perf_counter() - started, outcome)
 
     async def _query(self, host: str) -> Resolution:
         upstream = self._upstream()
@@ -565,16 +590,19 @@ def _server_errors(error: dns.resolver.NoNameservers) -> list[str]:
     return parts or ["no DNS server could answer"]
 
 
-def resolver_for(policy: Policy | None, servers: list[tuple[str, int]]) -> DnsResolver:
+def resolver_for(
+    policy: Policy | None, servers: list[tuple[str, int]], meter: DnsMeter | None = None
+) -> DnsResolver:
     """The resolver a command uses: --nameserver wins over [dns] nameservers."""
     settings = policy.dns if policy is not None else None
     if not servers and settings is not None and settings.nameservers:
         servers = [(str(ip), port) for ip, port in settings.nameservers]
     if settings is None:
-        return DnsResolver(servers or None)
+        return DnsResolver(servers or None, meter=meter)
     return DnsResolver(
         servers or None,
         timeout=settings.timeout,
         cache_size=settings.cache_size,
         max_ttl=settings.max_ttl,
+        meter=meter,
     )

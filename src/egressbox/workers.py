@@ -17,7 +17,8 @@ N worker processes and lets the kernel spread connections across them:
   the workers accept (a shared pipe: one byte each), so that nothing precedes
   the ready line on stdout;
 - the parent supervises: SIGHUP and SIGUSR1 are forwarded to every worker
-  (a reload's outcome is said once, when every worker has answered);
+  (a reload's outcome is said once, when every worker has answered), and so is
+  a change of the policy file under --watch-policy (the parent polls it);
   SIGINT/SIGTERM are forwarded and the parent waits for every worker's drain,
   then exits 0 (a second one kills the workers); a worker that dies otherwise
   stops the others and the parent exits 1: never a silent respawn, since an
@@ -25,6 +26,10 @@ N worker processes and lets the kernel spread connections across them:
 
 The policy's `[limits] max_connections` is per process, so each worker gets
 ceil(max_connections / N) and the total still holds.
+
+With `--admin`, worker 0 alone gets the admin listener (bound here before the
+fork) and the others send it their numbers (fleet.py); the parent, systemd's
+main process, sends READY=1 with the ready line and STOPPING=1 when it stops.
 """
 
 from __future__ import annotations
@@ -39,14 +44,17 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
 from egressbox.policy import Policy
 from egressbox.proxy.gate import stderr_log
 from egressbox.proxy.server import LISTEN_BACKLOG
+from egressbox.systemd import Notifier
+from egressbox.watch import WATCH_INTERVAL, PolicyWatch
 
 # More processes than this is a typo, not a deployment.
 MAX_WORKERS = 256
@@ -182,9 +190,21 @@ class ReloadRound:
 class Supervisor:
     """The parent of the workers: forks them, prints the ready line, relays signals."""
 
-    def __init__(self, count: int, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        count: int,
+        log: Callable[[str], None],
+        *,
+        notifier: Notifier | None = None,
+        watch: PolicyWatch | None = None,
+        ready_extra: dict[str, str] | None = None,
+    ) -> None:
         self.count = count
         self.log = log
+        self.notifier = notifier or Notifier(None)
+        self.watch = watch
+        self.watch_at = 0.0  # when the policy file is next looked at (monotonic)
+        self.ready_extra = dict(ready_extra or {})
         self.workers: list[Worker] = []
         self.pending: list[int] = []
         self.reload: ReloadRound | None = None
@@ -305,9 +325,20 @@ class Supervisor:
     def dead_worker(self) -> Worker | None:
         return next((w for w in self.workers if not w.alive), None)
 
+    def policy_changed(self) -> bool:
+        """--watch-policy: True when the file should be reloaded (looked at once a second)."""
+        if self.watch is None:
+            return False
+        now = time.monotonic()
+        if now < self.watch_at:
+            return False
+        self.watch_at = now + WATCH_INTERVAL
+        return self.watch.poll()
+
     def stop_all(self) -> int:
         """SIGTERM every worker and wait for each drain; a second stop signal kills."""
         self.stopping = True
+        self.notifier.notify("STOPPING=1", "STATUS=draining")
         self.signal_workers(signal.SIGTERM)
         if self.go_w >= 0:
             # A worker still waiting for the go reads EOF instead, and stops.
@@ -361,28 +392,42 @@ def run_workers(
     count: int,
     groups: dict[str, list[socket.socket]],
     worker_main: WorkerMain,
+    *,
+    own: Sequence[dict[str, socket.socket]] = (),
+    ready_extra: dict[str, str] | None = None,
+    notifier: Notifier | None = None,
+    watch: PolicyWatch | None = None,
 ) -> int:
     """Fork `count` workers over `groups`, supervise them, return the exit code.
 
     `worker_main(index, sockets, report_fd, go_fd)` runs in each child and returns its
-    exit code; `sockets` maps a listener kind to the worker's own socket."""
-    sup = Supervisor(count, stderr_log)
+    exit code; `sockets` maps a listener kind to the worker's own socket (a group of one
+    socket is shared by every worker), plus what `own[index]` gives that worker alone.
+    `ready_extra` joins the ready line; `notifier` hears READY=1 and STOPPING=1; a change
+    of `watch`'s file is forwarded as SIGHUP is."""
+    sup = Supervisor(count, stderr_log, notifier=notifier, watch=watch, ready_extra=ready_extra)
     sys.stdout.flush()
     sys.stderr.flush()
     sup.install_signals()
+    extra = [sock for mine in own for sock in mine.values()]
     try:
-        return _run(sup, count, groups, worker_main)
+        return _run(sup, count, groups, worker_main, own)
     except BaseException:
         sup.signal_workers(signal.SIGTERM)
         raise
     finally:
         close_all(sock for group in groups.values() for sock in group)
+        close_all(extra)
         sup.close()
         sup.restore_signals()
 
 
 def _run(
-    sup: Supervisor, count: int, groups: dict[str, list[socket.socket]], worker_main: WorkerMain
+    sup: Supervisor,
+    count: int,
+    groups: dict[str, list[socket.socket]],
+    worker_main: WorkerMain,
+    own: Sequence[dict[str, socket.socket]] = (),
 ) -> int:
     for index in range(count):
         report_r, report_w = os.pipe()
@@ -399,6 +444,7 @@ def _run(
                 sup,
                 index,
                 groups=groups,
+                own=own,
                 worker_main=worker_main,
                 report_r=report_r,
                 report_w=report_w,
@@ -409,6 +455,7 @@ def _run(
     # The workers hold their sockets now: the parent's copies would sit in the
     # SO_REUSEPORT group with nobody accepting on them.
     close_all(sock for group in groups.values() for sock in group)
+    close_all(sock for mine in own for sock in mine.values())
     os.close(sup.go_r)
     sup.go_r = -1
     code = _wait_ready(sup)
@@ -434,12 +481,13 @@ def _wait_ready(sup: Supervisor) -> int | None:
             code = os.waitstatus_to_exitcode(dead.status)
             sup.stop_all()
             return code if code in (EXIT_USAGE, EXIT_START) else EXIT_START
-    lines = {json.dumps(w.ready) for w in sup.workers}
+    lines = {json.dumps({**(w.ready or {}), **sup.ready_extra}) for w in sup.workers}
     if len(lines) != 1:  # cannot happen: every worker serves the same sockets' addresses
         sup.log(f"workers disagree on their addresses: {sorted(lines)}")
         sup.stop_all()
         return EXIT_START
     os.write(sys.stdout.fileno(), (lines.pop() + "\n").encode())
+    sup.notifier.notify("READY=1", f"STATUS=serving with {sup.count} workers")
     # One byte per worker on the shared pipe: each reads one and starts accepting.
     os.write(sup.go_w, b"g" * len(sup.workers))
     os.close(sup.go_w)
@@ -466,7 +514,7 @@ def _supervise(sup: Supervisor) -> int:
             )
             sup.stop_all()
             return EXIT_RUNTIME
-        if reload:
+        if reload or sup.policy_changed():
             sup.forward_reload()
         if reopen:
             sup.signal_workers(signal.SIGUSR1)
@@ -477,6 +525,7 @@ def _child(
     index: int,
     *,
     groups: dict[str, list[socket.socket]],
+    own: Sequence[dict[str, socket.socket]],
     worker_main: WorkerMain,
     report_r: int,
     report_w: int,
@@ -501,14 +550,7 @@ def _child(
             os.close(fd)
         for worker in sup.workers:
             os.close(worker.report_fd)
-        mine: dict[str, socket.socket] = {}
-        for kind, group in groups.items():
-            for position, sock in enumerate(group):
-                if position == index % len(group):
-                    mine[kind] = sock
-                else:
-                    sock.close()
-        code = worker_main(index, mine, report_w, sup.go_r)
+        code = worker_main(index, _keep_mine(index, groups, own), report_w, sup.go_r)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else EXIT_RUNTIME
     except BaseException:
@@ -520,6 +562,26 @@ def _child(
         with contextlib.suppress(Exception):
             sys.stderr.flush()
         os._exit(code)
+
+
+def _keep_mine(
+    index: int, groups: dict[str, list[socket.socket]], own: Sequence[dict[str, socket.socket]]
+) -> dict[str, socket.socket]:
+    """Worker `index`'s sockets; every other one is closed in this process."""
+    mine: dict[str, socket.socket] = {}
+    for kind, group in groups.items():
+        for position, sock in enumerate(group):
+            if position == index % len(group):
+                mine[kind] = sock
+            else:
+                sock.close()
+    alone = own[index] if index < len(own) else {}
+    for theirs in own:
+        for sock in theirs.values():
+            if all(sock is not kept for kept in alone.values()):
+                sock.close()
+    mine.update(alone)
+    return mine
 
 
 def _set_pdeathsig(sig: int) -> None:
