@@ -64,6 +64,8 @@ _LOCAL = PRIVATE_LIKE | {Category.LOOPBACK, Category.LINK_LOCAL}
 
 @dataclass(frozen=True, slots=True)
 class Range:
+    """One row of the address table: a network and its category."""
+
     network: IPNetwork
     category: Category
     name: str

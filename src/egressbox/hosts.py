@@ -15,8 +15,6 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-import idna
-
 from egressbox.errors import HostError, Reason
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -108,6 +106,8 @@ def canonical_ip_text(ip: IPAddress) -> str:
 def _name_or_ipv4(raw: str) -> Host:
     text = raw
     if not text.isascii():
+        import idna  # only for a name that is not ASCII: loading it costs ~5 ms
+
         try:
             # UTS 46 mapping, non-transitional (so "straße" stays itself),
             # without STD3 so that "_" survives; our own label check below
@@ -142,6 +142,8 @@ def _ascii_label(label: str) -> str:
     if not label:
         raise _bad(label, "empty label")
     if not label.isascii():
+        import idna
+
         try:
             label = idna.alabel(label).decode("ascii")
         except (idna.IDNAError, UnicodeError, ValueError):
@@ -161,6 +163,8 @@ def _ascii_label(label: str) -> str:
 def _check_round_trip(label: str) -> None:
     # An A-label must decode to a valid U-label that encodes back to itself;
     # otherwise two spellings could name one host.
+    import idna
+
     try:
         if idna.alabel(idna.ulabel(label)).decode("ascii") != label:
             raise _bad(label, "punycode label does not round-trip")

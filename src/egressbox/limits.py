@@ -40,6 +40,8 @@ MAX_HEAD_BYTES = 64 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Limits:
+    """[limits]: timeouts and bounds of the proxy."""
+
     drain_timeout: float = DRAIN_TIMEOUT
     connect_timeout: float = CONNECT_TIMEOUT
     head_timeout: float = HEAD_TIMEOUT

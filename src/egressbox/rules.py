@@ -46,6 +46,8 @@ class PatternError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Rule:
+    """One allow or deny entry, normalized."""
+
     kind: RuleKind
     value: str  # normalized name, suffix without "*.", IP text or network text
     port: int | None = None

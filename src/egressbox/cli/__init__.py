@@ -14,8 +14,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from egressbox import __version__
+from egressbox.cli import startup
 from egressbox.errors import EgressboxError, HostError, PolicyError, print_policy_error
 from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+
+startup.prepare()
 
 if TYPE_CHECKING:
     from egressbox.decide import Decision
@@ -74,12 +77,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", metavar="COMMAND", required=True, parser_class=parser_class
     )
-    _add_serve(sub)
-    _add_run(sub)
-    _add_check(sub)
-    _add_explain(sub)
-    _add_doctor(sub)
-    _add_connect(sub)
+    for name, add in (
+        ("serve", _add_serve),
+        ("run", _add_run),
+        ("check", _add_check),
+        ("explain", _add_explain),
+        ("doctor", _add_doctor),
+        ("connect", _add_connect),
+    ):
+        if command in (None, name):
+            add(sub)
+        else:
+            sub.add_parser(name)  # another command is parsed: only its name is needed
     if command in (None, "audit"):
         from egressbox import audit_cli
 
@@ -90,8 +99,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _command_of(argv: Sequence[str]) -> str | None:
-    """The subcommand named in argv (the first word that is not an option)."""
-    return next((word for word in argv if not word.startswith("-")), None)
+    """The subcommand when argv starts with it (no top-level option before it, such as
+    --help, could then list the other commands)."""
+    return argv[0] if argv and not argv[0].startswith("-") else None
 
 
 def _add_serve(sub: Subparsers) -> None:
@@ -141,8 +151,97 @@ def _add_serve(sub: Subparsers) -> None:
         help="worker processes sharing the ports (SO_REUSEPORT), 1-256; auto: one per usable "
         "CPU (default 1: one process, no fork); [limits] max_connections is split among them",
     )
+    _add_serve_operations(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no per-connection line on stderr")
+    p.add_argument(
+        "--ask-command",
+        metavar="CMD",
+        help="ask CMD (shell words, no shell) about a destination no allow entry admits: it "
+        'reads {"protocol", "host", "port"} as JSON on stdin (also EGRESSBOX_PROTOCOL, '
+        "EGRESSBOX_HOST, EGRESSBOX_PORT; nothing else but PATH in its environment) and "
+        "answers deny, once or session on stdout; a non-zero exit denies. Deny entries, "
+        "deny_cidrs and the private/special ranges are never lifted. Not with --workers",
+    )
+    _add_ask_common(p)
+    p.add_argument(
+        "--proxy-protocol",
+        action="store_true",
+        help="every connection must begin with a PROXY protocol header (v1 or v2, as HAProxy's "
+        "send-proxy[-v2] or a cloud load balancer send it) from a trusted sender; others are "
+        "closed. The client it names counts for max_connections_per_client. Trusted: "
+        "--proxy-protocol-from, else loopback only",
+    )
+    p.add_argument(
+        "--proxy-protocol-from",
+        action="append",
+        metavar="CIDR[,CIDR...]",
+        help="the balancers trusted to send the header (repeatable; implies --proxy-protocol)",
+    )
+    _add_upstream(p)
     _add_nameserver(p)
+
+
+def _add_upstream(p: argparse.ArgumentParser, *, doctor: bool = False) -> None:
+    what = "describe chaining through" if doctor else "reach allowed destinations through"
+    p.add_argument(
+        "--upstream",
+        metavar="URL",
+        help=f"{what} this proxy: http://HOST:PORT (CONNECT) or socks5://HOST:PORT; every "
+        "request is still decided by the policy first (overrides [egress] upstream). "
+        "Credentials: EGRESSBOX_UPSTREAM_USER and EGRESSBOX_UPSTREAM_PASSWORD",
+    )
+    p.add_argument(
+        "--upstream-target",
+        choices=["address", "name"],
+        help="ask the upstream for the checked address (default; pinning holds) or for the "
+        "name (the upstream resolves it: pinning: partial)",
+    )
+
+
+def _add_ask_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ask-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="a question not answered within SECONDS denies (default 30)",
+    )
+    p.add_argument(
+        "--save-approved",
+        metavar="FILE",
+        help="at exit, write the destinations approved when asked as a policy file (allowed "
+        "for the session: entries; allowed once: commented out)",
+    )
+
+
+def _add_serve_operations(p: argparse.ArgumentParser) -> None:
+    """serve's flags for running in production (README "Running in production")."""
+    p.add_argument(
+        "--admin",
+        metavar="ADDR:PORT",
+        help="serve /metrics (Prometheus), /healthz and /readyz on ADDR:PORT, apart from the "
+        "proxy ports (off by default; warned about when not loopback)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        metavar="FILE",
+        help="/metrics wants 'Authorization: Bearer TOKEN', TOKEN read from FILE "
+        "(or from $EGRESSBOX_ADMIN_TOKEN; never on the command line)",
+    )
+    p.add_argument(
+        "--watch-policy",
+        action="store_true",
+        help="reload the policy when its file changes (polled each second; a ConfigMap "
+        "update too), as SIGHUP does: a bad file keeps the old policy",
+    )
+    p.add_argument(
+        "--drain-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after SIGTERM/SIGINT keep accepting for SECONDS while /readyz says 503, so a "
+        "load balancer stops sending before the listeners close (default 0)",
+    )
 
 
 def _workers(text: str) -> int:
@@ -167,7 +266,9 @@ def _add_run(sub: Subparsers) -> None:
     p.add_argument(
         "--policy",
         metavar="FILE",
-        help=f"policy file (TOML); without it and without {ENV_ALLOW}, every destination is denied",
+        help="policy file (TOML); default: the project root's egressbox.toml once you have run "
+        f"with it as --policy; without either and without {ENV_ALLOW}, every destination is "
+        "denied",
     )
     p.add_argument(
         "--profile",
@@ -189,7 +290,8 @@ def _add_run(sub: Subparsers) -> None:
         default=[],
         metavar="PATH",
         help="a directory the command may write (repeatable; added to [filesystem] write_roots; "
-        "default: the current directory)",
+        "default: the project root above the current directory, the nearest holding .git or "
+        "egressbox.toml, else the current directory)",
     )
     p.add_argument(
         "--process-read-root",
@@ -246,6 +348,20 @@ def _add_run(sub: Subparsers) -> None:
         "default; repeatable; added to [filesystem] writable_trusted)",
     )
     p.add_argument(
+        "--read-only-workspace",
+        action="store_true",
+        help="the workspace may be read, nothing in it written (TMPDIR and tool caches live "
+        'outside it for the run); [filesystem] workspace = "read-only" says the same',
+    )
+    p.add_argument(
+        "--toolchain-cache",
+        choices=["scratch", "real"],
+        default=None,
+        help="where Go, Cargo, npm, pnpm, Yarn, pip, uv, Gradle and Maven keep their caches: "
+        "the run's scratch space (default), or their real ones under your home, read+write "
+        "(shared with the command, which could poison them); [filesystem] toolchain_cache",
+    )
+    p.add_argument(
         "--allow-direct-network",
         action="store_true",
         help="run even where neither a network namespace nor Landlock TCP rules can hold "
@@ -295,6 +411,20 @@ def _add_run(sub: Subparsers) -> None:
         action="store_true",
         help="a line per allowed connection too (by default only refusals: the audit log has all)",
     )
+    asking = p.add_mutually_exclusive_group()
+    asking.add_argument(
+        "--ask",
+        action="store_true",
+        help="when the command asks for a destination no allow entry admits, ask at this "
+        "terminal (deny, once, session) instead of refusing; stdin must be a terminal",
+    )
+    asking.add_argument(
+        "--ask-command",
+        metavar="CMD",
+        help="ask CMD instead of the terminal (the protocol of serve --ask-command)",
+    )
+    _add_ask_common(p)
+    _add_upstream(p)
     _add_nameserver(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
 
@@ -358,6 +488,10 @@ def _add_doctor(sub: Subparsers) -> None:
         "mount and PID namespaces. Nothing is changed.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--policy", metavar="FILE", help="also say how its [egress] upstream would be used"
+    )
+    _add_upstream(p, doctor=True)
 
 
 def _add_connect(sub: Subparsers) -> None:
@@ -558,16 +692,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
         audit_keep=args.audit_keep,
         report_only=args.report_only,
         workers=args.workers,
+        ask_command=args.ask_command,
+        ask_timeout=args.ask_timeout,
+        save_approved=args.save_approved,
+        admin=args.admin,
+        admin_token_file=args.admin_token_file,
+        watch_policy=args.watch_policy,
+        drain_delay=args.drain_delay,
+        proxy_protocol_from=_proxy_protocol_from(args),
+        upstream=args.upstream,
+        upstream_target=args.upstream_target,
     )
     return serve(options)
+
+
+def _proxy_protocol_from(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--proxy-protocol-from's senders; --proxy-protocol alone trusts loopback only."""
+    if args.proxy_protocol_from:
+        return tuple(args.proxy_protocol_from)
+    if args.proxy_protocol:
+        from egressbox.protocols.proxy_header import DEFAULT_TRUSTED
+
+        return DEFAULT_TRUSTED
+    return None
 
 
 # -- run -----------------------------------------------------------------------------
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from egressbox.cli.run import run_command
-
     argv = list(args.cmd)
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -577,7 +730,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    return run_command(args, argv)
+    from egressbox.runner import zygote
+
+    # The launcher's imports run in the zygote while this process plans the run.
+    zygote.start()
+    try:
+        from egressbox.cli.run import run_command
+
+        return run_command(args, argv)
+    finally:
+        zygote.discard()
 
 
 # -- doctor --------------------------------------------------------------------------
@@ -586,6 +748,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from egressbox.confine.probe import format_table, probe_host, to_json
 
+    try:
+        chaining = _doctor_upstream(args)
+    except ValueError as exc:
+        print(f"egressbox doctor: --upstream: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     support = probe_host()
     profiles = profile_support(support)
     core = _core_line()
@@ -593,6 +760,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         data = to_json(support)
         data["profiles"] = profiles
         data["proxy_core"] = core
+        data["upstream"] = chaining
         print(json.dumps(data))
         return EXIT_OK
     print(format_table(support))
@@ -600,7 +768,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(_profiles_table(profiles))
     print()
     print(f"proxy core: {core}")
+    print(f"upstream: {chaining['line']}")
     return EXIT_OK
+
+
+def _doctor_upstream(args: argparse.Namespace) -> dict[str, Any]:
+    """The upstream `serve`/`run` would chain through (--upstream, else --policy's), and
+    whether pinning holds through it."""
+    from egressbox.protocols.upstream import describe_upstream, parse_upstream
+
+    upstream = None
+    if args.upstream is not None:
+        upstream = parse_upstream(args.upstream, args.upstream_target or "address")
+    elif args.policy is not None:
+        from egressbox.policy import load_policy
+
+        upstream = load_policy(args.policy, env={}).upstream
+    return describe_upstream(upstream)
 
 
 def _core_line() -> str:

@@ -25,6 +25,8 @@ class CommandNotFoundError(OSError):
 
 @dataclass(frozen=True)
 class Executable:
+    """A command resolved on the child's PATH, and what it needs to run."""
+
     path: str  # what execve() gets (absolute)
     grants: tuple[str, ...]  # paths to grant read+execute (files and directories)
 

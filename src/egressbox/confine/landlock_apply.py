@@ -18,6 +18,8 @@ READ_RIGHTS = ll.AccessFs.EXECUTE | ll.AccessFs.READ_FILE | ll.AccessFs.READ_DIR
 
 @dataclass(frozen=True)
 class LandlockReport:
+    """What Landlock enforced, by kind of rule."""
+
     abi: int
     fs: bool
     net: bool

@@ -52,6 +52,8 @@ class LaunchError(Exception):
 
 @dataclass(frozen=True)
 class LaunchPlan:
+    """Everything the launcher applies, decided before the fork (runner/assemble.py)."""
+
     argv: tuple[str, ...]
     executable: str
     cwd: str
@@ -113,6 +115,8 @@ def launcher_main(plan: LaunchPlan, chan_fd: int) -> NoReturn:
 
 @dataclass
 class _Progress:
+    """How far the launcher got, and what it applied."""
+
     listening_sent: bool = False
     # What was really applied, reported to the parent just before exec.
     applied: dict[str, Any] = field(default_factory=dict)
@@ -186,8 +190,6 @@ def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
     _unshare(plan)
     ports = _listeners(plan, chan)
     _PROGRESS.listening_sent = True
-    _walk_etc(plan)  # while the parent loads its policy
-    _await_go(chan)
     env = _fill_ports(plan, ports)
     if plan.has(Mechanism.PID_NAMESPACE):
         launcher = os.getpid()
@@ -203,13 +205,22 @@ def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
     return _reaper(plan, env, ports, prepared, chan)
 
 
+def walk_etc_early() -> None:
+    """Walk /etc now, before a plan exists (runner/zygote.py, while it waits for one); the
+    launcher uses the result if its plan grants /etc."""
+    from egressbox.confine import world
+
+    _PROGRESS.etc_hidden = world.unreadable_to_others("/etc")
+
+
 def _walk_etc(plan: LaunchPlan) -> None:
     if plan.world is None or not plan.has(Mechanism.MOUNT_NAMESPACE):
         return
     from egressbox.confine import world
 
     if any(world.is_under("/etc", os.path.realpath(p)) for p, _ in plan.world.grants):
-        _PROGRESS.etc_hidden = world.unreadable_to_others("/etc")
+        if _PROGRESS.etc_hidden is None:  # not walked while the plan was awaited
+            _PROGRESS.etc_hidden = world.unreadable_to_others("/etc")
     else:
         _PROGRESS.etc_hidden = []
 
@@ -366,12 +377,16 @@ def _reaper(
 ) -> int:
     skeleton: dict[str, set[str]] = {}
     if plan.has(Mechanism.MOUNT_NAMESPACE):
+        # The world is built, and the command forked and confined, while the parent loads its
+        # policy: the command execs only on the parent's word (_command), and a run the
+        # parent gives up on ends with its namespaces.
+        _walk_etc(plan)
         _mounts(plan)
         skeleton = _private_tmp()
-    chan.close()
     pid = os.fork()
     if pid == 0:
-        _command(plan, env, ports, prepared)
+        _command(plan, env, ports, prepared, chan)
+    chan.close()
     _close_report(plan)
     code = _supervise(pid, reap_all=plan.has(Mechanism.PID_NAMESPACE))
     if plan.has(Mechanism.MOUNT_NAMESPACE):
@@ -457,18 +472,25 @@ def _exit_code(status: int) -> int:
 
 
 def _command(
-    plan: LaunchPlan, env: dict[str, str], ports: tuple[int, ...], prepared: Any
+    plan: LaunchPlan,
+    env: dict[str, str],
+    ports: tuple[int, ...],
+    prepared: Any,
+    chan: socket.socket,
 ) -> NoReturn:
     for signum in FORWARDED:
         signal.signal(signum, signal.SIG_DFL)
     try:
+        os.set_inheritable(chan.fileno(), False)  # the exec closes it
         if plan.controlling_tty:
             _own_terminal()
-        _restrict(plan, ports, prepared)
+        _restrict(plan, ports, prepared, chan.fileno())
         os.chdir(plan.cwd)
         _report_applied(plan)
     except BaseException as exc:  # never exec (or fall back into the reaper) half-confined
         _fail(f"cannot confine the command: {exc}", EXIT_CANNOT_CONFINE)
+    # Confined: only the exec is left, on the parent's word (its policy is loaded).
+    _await_go(chan)
     try:
         os.execve(plan.executable, list(plan.argv), env)
     except OSError as exc:
@@ -490,7 +512,7 @@ def _own_terminal() -> None:
             fcntl.ioctl(tty, termios.TIOCSCTTY, 0)
 
 
-def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any) -> None:
+def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any, chan: int = -1) -> None:
     _limits(plan)
     applied = _PROGRESS.applied
     if plan.has(Mechanism.CAPABILITIES) and os.geteuid() == 0 and not _powerless():
@@ -500,7 +522,7 @@ def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any) -> None:
     applied["capabilities"] = plan.has(Mechanism.CAPABILITIES)
     applied["landlock"] = _landlock(plan, ports)
     keep = (*plan.pass_fds, plan.report_fd) if plan.report_fd >= 0 else plan.pass_fds
-    _close_fds(keep)
+    _close_fds((*keep, chan) if chan >= 0 else keep)  # the channel until the exec
     applied["seccomp"] = _seccomp(plan, prepared)
 
 

@@ -19,6 +19,7 @@ from egressbox.confine.plan import (
 )
 from egressbox.errors import EgressboxError
 from egressbox.exitcodes import EXIT_CANNOT_CONFINE
+from egressbox.runner import zygote
 from egressbox.runner.assemble import CAPTURE_ROW, Prepared, applied_report
 from egressbox.runner.options import KILL_GRACE, LAUNCHER_TIMEOUT, RunOptions, write_err
 from egressbox.stderr_tee import (
@@ -223,7 +224,8 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
     if isinstance(tee, TerminalRelay):
         plan = dataclasses.replace(plan, controlling_tty=True)
     try:
-        pid = os.fork()
+        # A zygote the command line forked early has imported the launcher's modules already.
+        pid = zygote.launch(plan, child_chan, _child_fds(pipes, tee)) or os.fork()
     except BaseException:
         if tee is not None:
             tee.abandon()
@@ -233,12 +235,9 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
     if pid == 0:  # the launcher
         parent_chan.close()
         os.close(report_r)
-        if pipes is not None:
-            os.dup2(pipes[0][1], 1)
-            os.dup2(pipes[1][1], 2)
+        for target, source in _child_fds(pipes, tee).items():
+            os.dup2(source, target)
         if tee is not None:
-            for target, source in tee.child_fds().items():
-                os.dup2(source, target)
             tee.close_in_child()
         launcher_main(plan, child_chan.detach())
     child_chan.close()
@@ -267,6 +266,16 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
         host=prepared.plan.proxy_host, **launched.ports
     )
     return launched
+
+
+def _child_fds(
+    pipes: tuple[tuple[int, int], tuple[int, int]] | None, tee: StderrTee | TerminalRelay | None
+) -> dict[int, int]:
+    """What the launcher dup2()s onto its std fds: the capture pipes, then the tee's ends."""
+    fds = {} if pipes is None else {1: pipes[0][1], 2: pipes[1][1]}
+    if tee is not None:
+        fds.update(tee.child_fds())
+    return fds
 
 
 def _launched(
