@@ -28,6 +28,7 @@ COMPILED = [
     "src/egressbox/egress.py",
     "src/egressbox/dial.py",
     "src/egressbox/relay.py",
+    "src/egressbox/sni.py",  # the first client bytes of every tunnel (the TLS name check)
     "src/egressbox/proxy/gate.py",
     "src/egressbox/proxy/tunnel.py",
     "src/egressbox/proxy/listeners.py",
