@@ -1,37 +1,41 @@
 """egressbox against a direct connection and other proxies, side by side, on loopback.
 
-    benchmarks/setup.sh                    # squid, tinyproxy, wrk (apt), pproxy (pip)
+    benchmarks/setup.sh        # squid, tinyproxy (apt); builds benchmarks/build/{loadgen,origin}
     .venv/bin/python benchmarks/proxy.py [--quick] [--json out.json] [--markdown out.md]
 
-Starts the loopback origins (origin.py: a bulk sink/source process and a
-uvloop echo + HTTP process), then egressbox (`egressbox serve`, audit log to
-a file), squid, tinyproxy and pproxy, each configured to reach only the
-loopback origins and each writing its access log to a file (pproxy has
-none). Then, in interleaved rounds (every target once per round, the order
-rotated each round, so that noise hits all alike):
+Starts the loopback origins (benchmarks/build/origin, from origin.c: a bulk
+sink, an echo port and a small-response HTTP port), then each proxy in its
+fastest configuration (squid and tinyproxy with per-connection logging off,
+egressbox with its audit log on; the configurations are printed under the
+tables), each allowed to reach only the loopback origins. Then, in
+interleaved rounds (every target once per round, the order rotated each
+round, so that noise hits all alike), the compiled load generator
+(benchmarks/build/loadgen, from loadgen.c) measures:
 
-- one-tunnel throughput: loadgen.py streams --gib GiB through one CONNECT or
-  SOCKS5 tunnel to the sink; MB/s, and the proxy's CPU seconds per GiB
-  (utime + stime of the proxy's whole process tree, all threads, from /proc);
-- short tunnels: two loadgen.py processes (uvloop) run connect + handshake +
-  one 64-byte echo round trip + close at concurrency 1, 16 and 128; tunnels/s,
-  p50/p99 latency, the proxy's CPU microseconds per tunnel and the CPU the
-  generator itself used;
-- plain HTTP: wrk sends absolute-form GETs (a Lua script sets the path to
-  the origin's URL and the Host header) at concurrency 1, 16 and 128;
-  requests/s, p50/p99 latency, proxy CPU microseconds per request.
+- one tunnel: --gib GiB up through one CONNECT or SOCKS5 tunnel to the sink;
+  MB/s and the proxy's CPU seconds per GiB (utime + stime of its whole
+  process tree, all threads, from /proc);
+- short tunnels at 1, 16 and 128 clients: connect, CONNECT 127.0.0.1:PORT or
+  SOCKS5 with the host as a domain name, the 200 / success reply, one 64-byte
+  echo, close; tunnels/s, p50/p99 latency, the proxy's CPU per tunnel (user
+  and system) over exactly the recorded window;
+- plain HTTP, one request per connection and kept-alive, at 1, 16 and 128
+  clients: absolute-form GETs of a 13-byte body; requests/s, latency, the
+  proxy's CPU per request.
 
-Every cell is also run with no proxy at all ("direct", same generator), the
-check that the load generator is not the bottleneck. Last, each proxy is
-started afresh and holds 2,000 and 10,000 idle CONNECT tunnels (each checked
-with an echo round trip) while its RSS is read from /proc (VmRSS over the
-baseline after a warm-up, and VmHWM).
+Every cell is also run with no proxy ("direct", same generator and origin):
+the reference for the ratios and the check that the generator is not the
+bottleneck. Last, each proxy is started afresh and holds 2,000 and 10,000
+idle CONNECT tunnels (each checked with an echo) while its RSS is read.
 
-The machine has 2 cores: the generator, the origin and the proxy share
-them, so absolute rates are this box's, and ratios within one run are what
-to compare. Everything listens on 127.0.0.1 only, every loop is bounded in
-count and time, and every process started here is killed at the end, also
-on error or Ctrl-C.
+--pin-load CPUS / --pin-proxy CPUS run the generator and origin, and the
+proxies, under `taskset -c` (e.g. the `serve --workers N` scaling runs).
+
+The machine has 2 cores: generator, origin and proxy share them, so
+absolute rates are this box's, and ratios within one run are what to
+compare. Everything listens on and connects to 127.0.0.1, every loop is
+bounded in count and time, and every process started here is killed at the
+end, also on error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -62,11 +66,20 @@ from pathlib import Path
 from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
+BUILD = HERE / "build"
+LOADGEN = BUILD / "loadgen"
+ORIGIN = BUILD / "origin"
 HOST = "127.0.0.1"
 GIB = 1 << 30
+CHUNK = 4 << 20  # bytes per write(2) of the one-tunnel sender (the sink reads as much)
 CONCURRENCY = (1, 16, 128)
+CPU_AT = 16  # the concurrency whose CPU per tunnel / request the summary shows
+GENERATOR_THREADS = 2
 IDLE_COUNTS = (2000, 10000)
-TESTS = ("throughput", "setup", "http")  # --tests: one tunnel, short tunnels, plain HTTP
+IDLE_IN_FLIGHT = 256  # handshakes at once while opening idle tunnels
+# --tests: one tunnel, short tunnels, plain HTTP one request per connection, kept-alive
+TESTS = ("throughput", "tunnels", "http", "keepalive")
+RATE_TESTS = ("tunnels", "http", "keepalive")
 WANTED_NOFILE = 65536  # fds for 10,000 tunnels (2 per tunnel in the proxy) and headroom
 FD_HEADROOM = 200  # fds a proxy needs besides its tunnels (listeners, logs, epoll, ...)
 IDLE_WARM_UP = 100  # tunnels opened and closed before a fresh proxy's RSS baseline
@@ -78,6 +91,9 @@ NOISE_RETRIES = 2
 # The reference floor (benchmarks/floor_proxy.py): a row to compare with, never
 # "the best other proxy", since it decides and records nothing.
 FLOOR = "uvloop-floor"
+DEFAULT_PROXIES = ("egressbox", "squid", "tinyproxy", FLOOR)
+# Where the CPUs to pin to are given: {"load": "0", "proxy": "1"} (taskset -c lists).
+PINNING: dict[str, str | None] = {"load": None, "proxy": None}
 
 # pproxy 2.7.9 calls uvloop.install() and then asyncio.get_event_loop(), which
 # raises with uvloop >= 0.21 on Python 3.11; this shim gives it a loop, so it
@@ -96,21 +112,8 @@ if uvloop is not None:
 from pproxy.server import main
 sys.exit(main())
 """
-
-WRK_SCRIPT = """
-wrk.method = "GET"
-wrk.path = "{path}"
-wrk.headers["Host"] = "{host}"
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format(
-    'WRKJSON {{"requests": %d, "duration_us": %d, "p50_us": %d, "p99_us": %d, ' ..
-    '"connect_errors": %d, "read_errors": %d, "write_errors": %d, "status_errors": %d, ' ..
-    '"timeouts": %d}}\\n',
-    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
-    e.connect, e.read, e.write, e.status, e.timeout))
-end
-"""
+# benchmarks/setup.sh installs pproxy here (never into the project's .venv).
+PPROXY_LIB = BUILD / "pylib"
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -124,11 +127,15 @@ def spawn(
     stdin: int | None = subprocess.DEVNULL,
     stdout: int | IO[bytes] | None = subprocess.PIPE,
     stderr: int | IO[bytes] | None = subprocess.DEVNULL,
-    cwd: str | None = None,
+    cpus: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start a child in its own process group; it is killed by stop_all() at the latest."""
+    """Start a child in its own process group (under `taskset -c cpus` if given);
+    it is killed by stop_all() at the latest."""
+    if cpus is not None:
+        argv = ["taskset", "-c", cpus, *argv]
     proc = subprocess.Popen(
-        argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True
+        argv, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=True, env=env
     )
     _children.append(proc)
     return proc
@@ -258,9 +265,11 @@ def which(name: str) -> str | None:
     return shutil.which(name, path=path)
 
 
-def command_output(argv: list[str]) -> str:
+def command_output(argv: list[str], env: dict[str, str] | None = None) -> str:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=10, check=False, env=env
+        )
     except OSError:
         return ""
     return (done.stdout + done.stderr).strip()
@@ -274,14 +283,13 @@ class Origins:
     bulk: int
     echo: int
     http: int
-    procs: list[subprocess.Popen[bytes]]
+    proc: subprocess.Popen[bytes]
 
 
 def start_origins() -> Origins:
-    bulk = spawn([sys.executable, str(HERE / "origin.py"), "bulk"])
-    serve = spawn([sys.executable, str(HERE / "origin.py"), "serve"])
-    ports = read_json(bulk, START_TIMEOUT) | read_json(serve, START_TIMEOUT)
-    return Origins(ports["bulk"], ports["echo"], ports["http"], [bulk, serve])
+    proc = spawn([str(ORIGIN), "--threads", "2"], cpus=PINNING["load"])
+    ports = read_json(proc, START_TIMEOUT)
+    return Origins(ports["bulk"], ports["echo"], ports["http"], proc)
 
 
 @dataclass
@@ -304,8 +312,13 @@ class ProxyKind:
     program: str  # what must be installed
     start: Callable[[Path, Origins], Proxy]
     version: Callable[[], str]
-    logging: str  # what it logs in this benchmark
+    config: str  # its configuration here, logging first
     processes: int = 1  # serving processes: each has its own descriptor limit
+
+
+def egressbox_program() -> str:
+    """The console script of the interpreter running this (the project's .venv)."""
+    return str(Path(sys.executable).parent / "egressbox")
 
 
 def start_egressbox(workdir: Path, origins: Origins, workers: int = 1) -> Proxy:
@@ -318,7 +331,7 @@ def start_egressbox(workdir: Path, origins: Origins, workers: int = 1) -> Proxy:
         "[limits]\n"
         "max_connections = 50000\n"  # the idle test holds 10,000 tunnels
     )
-    argv = [sys.executable, "-m", "egressbox", "serve", "--policy", str(policy)]
+    argv = [egressbox_program(), "serve", "--policy", str(policy)]
     argv += ["--audit-log", str(workdir / "audit.jsonl"), "--quiet"]
     if workers > 1:
         argv += ["--workers", str(workers)]
@@ -328,11 +341,11 @@ def start_egressbox(workdir: Path, origins: Origins, workers: int = 1) -> Proxy:
 
 
 def start_with_ready_line(
-    argv: list[str], workdir: Path
+    argv: list[str], workdir: Path, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     """Start a proxy that prints a JSON ready line of `"name": "HOST:PORT"` listeners."""
     with open(workdir / "stderr.log", "wb") as err:
-        proc = spawn(argv, stderr=err)
+        proc = spawn(argv, stderr=err, cpus=PINNING["proxy"], env=env)
     ready = read_json(proc, START_TIMEOUT)
     ports = {
         name: int(value.rsplit(":", 1)[1])
@@ -357,7 +370,7 @@ def start_squid(workdir: Path, origins: Origins) -> Proxy:
         "http_access deny all\n"
         "cache deny all\n"
         "cache_mem 0 MB\n"
-        f"access_log stdio:{workdir}/access.log\n"
+        "access_log none\n"  # its fastest: no line per request
         f"cache_log {workdir}/cache.log\n"
         "cache_store_log none\n"
         f"pid_filename {workdir}/squid.pid\n"
@@ -373,7 +386,9 @@ def start_squid(workdir: Path, origins: Origins) -> Proxy:
             user = pwd.getpwnam("proxy")
             os.chown(workdir, user.pw_uid, user.pw_gid)
     with open(workdir / "stderr.log", "wb") as err:
-        proc = spawn([program, "-N", "-f", str(conf)], stdout=err, stderr=err)
+        proc = spawn(
+            [program, "-N", "-f", str(conf)], stdout=err, stderr=err, cpus=PINNING["proxy"]
+        )
     wait_port(port, proc)
     return Proxy("squid", proc, port, None, workdir)
 
@@ -389,7 +404,8 @@ def start_tinyproxy(workdir: Path, origins: Origins) -> Proxy:
         "Timeout 600\n"
         "MaxClients 20000\n"
         f'LogFile "{workdir}/tinyproxy.log"\n'
-        "LogLevel Connect\n"
+        # Its fastest: nothing per connection (Connect/Info write and fsync lines each).
+        "LogLevel Critical\n"
         f'PidFile "{workdir}/tinyproxy.pid"\n'
         f"Allow {HOST}\n"
         f"ConnectPort {origins.bulk}\n"
@@ -397,16 +413,22 @@ def start_tinyproxy(workdir: Path, origins: Origins) -> Proxy:
         "DisableViaHeader Yes\n"
     )
     with open(workdir / "stderr.log", "wb") as err:
-        proc = spawn([program, "-d", "-c", str(conf)], stdout=err, stderr=err)
+        proc = spawn(
+            [program, "-d", "-c", str(conf)], stdout=err, stderr=err, cpus=PINNING["proxy"]
+        )
     wait_port(port, proc)
     return Proxy("tinyproxy", proc, port, None, workdir)
+
+
+def pproxy_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(PPROXY_LIB)}
 
 
 def start_pproxy(workdir: Path, origins: Origins) -> Proxy:
     port = free_port()
     argv = [sys.executable, "-c", PPROXY_SHIM, "-l", f"http+socks5://{HOST}:{port}"]
     with open(workdir / "stderr.log", "wb") as err:
-        proc = spawn(argv, stdout=err, stderr=err)
+        proc = spawn(argv, stdout=err, stderr=err, cpus=PINNING["proxy"], env=pproxy_env())
     wait_port(port, proc)
     return Proxy("pproxy", proc, port, port, workdir)
 
@@ -418,20 +440,31 @@ def start_floor(workdir: Path, origins: Origins) -> Proxy:
 
 
 def egressbox_version() -> str:
-    version = importlib.metadata.version("egressbox")
-    rev = command_output(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"])
-    dirty = command_output(["git", "-C", str(HERE), "status", "--porcelain", "--", "../src"])
-    if re.fullmatch(r"[0-9a-f]{7,}", rev):
-        version += f" (git {rev}{' + uncommitted changes' if dirty else ''})"
-    core = command_output(
-        [sys.executable, "-c", "import egressbox; print(egressbox.compiled_core())"]
+    """Its version, whether its core ran compiled, and which tree it was imported from."""
+    probe = (
+        "import egressbox; print(egressbox.__version__, egressbox.compiled_core(),"
+        " egressbox.__file__)"
     )
-    return version + (", compiled core" if core == "True" else ", interpreted core")
+    out = command_output([sys.executable, "-c", probe]).split()
+    if len(out) < 3:
+        return "?"
+    version, compiled, where = out[0], out[1] == "True", Path(out[2]).resolve()
+    source = HERE.parent / "src"
+    if where.is_relative_to(source):
+        rev = command_output(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"])
+        dirty = command_output(["git", "-C", str(HERE), "status", "--porcelain", "--", str(source)])
+        if re.fullmatch(r"[0-9a-f]{7,}", rev):
+            version += f" (git {rev}{' + uncommitted changes' if dirty else ''})"
+    else:
+        version += " (imported from outside this checkout: PYTHONPATH or an install)"
+    return f"{version}, {'compiled core (mypyc)' if compiled else 'interpreted core'}"
 
 
 def pproxy_version() -> str:
+    probe = "import importlib.metadata as m; print(m.version('pproxy'))"
+    version = command_output([sys.executable, "-c", probe], env=pproxy_env()) or "?"
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    return f"{importlib.metadata.version('pproxy')} (PyPI, on {loop})"
+    return f"{version} (PyPI, on {loop})"
 
 
 def first_line(argv: list[str]) -> str:
@@ -439,20 +472,19 @@ def first_line(argv: list[str]) -> str:
     return lines[0] if lines else "?"
 
 
+EGRESSBOX_CONFIG = (
+    "audit log on: one JSON line per decision to a file (`--audit-log FILE`); `--quiet` (no"
+    " stderr line per connection)"
+)
+
 KINDS = [
-    ProxyKind(
-        "egressbox",
-        "egressbox",
-        start_egressbox,
-        egressbox_version,
-        "audit log (one JSON line per decision) to a file; --quiet (no stderr line)",
-    ),
+    ProxyKind("egressbox", "egressbox", start_egressbox, egressbox_version, EGRESSBOX_CONFIG),
     ProxyKind(
         "egressbox-w2",
         "egressbox",
         partial(start_egressbox, workers=2),
         egressbox_version,
-        "as egressbox, with --workers 2 (two processes sharing the ports with SO_REUSEPORT;"
+        "as egressbox, with `--workers 2` (two processes sharing the ports with SO_REUSEPORT;"
         " one audit log, O_APPEND)",
         processes=2,
     ),
@@ -461,16 +493,23 @@ KINDS = [
         "squid",
         start_squid,
         lambda: first_line([which("squid") or "squid", "-v"]),
-        "access_log (stdio, one line per request); cache deny all",
+        "`access_log none` (no line per request); `cache deny all`, `cache_mem 0 MB`;"
+        " errors only to cache_log",
     ),
     ProxyKind(
         "tinyproxy",
         "tinyproxy",
         start_tinyproxy,
         lambda: first_line([which("tinyproxy") or "tinyproxy", "-v"]),
-        "LogLevel Connect (3 lines per connection) to a file",
+        "`LogLevel Critical` to a file (no line per connection); `MaxClients 20000`",
     ),
-    ProxyKind("pproxy", "pproxy", start_pproxy, pproxy_version, "no access log (pproxy has none)"),
+    ProxyKind(
+        "pproxy",
+        "pproxy",
+        start_pproxy,
+        pproxy_version,
+        "no access log (pproxy has none); `-l http+socks5://`",
+    ),
     ProxyKind(
         FLOOR,
         "uvloop",
@@ -484,8 +523,10 @@ KINDS = [
 
 def installed(kind: ProxyKind) -> bool:
     if kind.program == "egressbox":
-        return True
-    if kind.program in ("pproxy", "uvloop"):
+        return Path(egressbox_program()).exists()
+    if kind.program == "pproxy":
+        return (PPROXY_LIB / "pproxy").is_dir()
+    if kind.program == "uvloop":
         return importlib.util.find_spec(kind.program) is not None
     return which(kind.program) is not None
 
@@ -527,11 +568,24 @@ def proxy_port(proxy: Proxy, via: str) -> int:
     return port
 
 
-def loadgen(role: str, cell: Cell, proxy: Proxy | None, target: int, *extra: str) -> list[str]:
-    argv = [sys.executable, str(HERE / "loadgen.py"), role, "--via", cell.via]
+def generator(mode: str, cell: Cell, proxy: Proxy | None, target: int, *extra: str) -> list[str]:
+    """argv of benchmarks/build/loadgen for one cell; proxy CPU is read over its window."""
+    via = cell.via
+    if mode == "http":
+        via = "direct" if proxy is None else "proxy"
+    argv = [str(LOADGEN), mode, "--via", via, "--target", f"{HOST}:{target}"]
     if proxy is not None:
         argv += ["--proxy", f"{HOST}:{proxy_port(proxy, cell.via)}"]
-    return [*argv, "--target", f"{HOST}:{target}", *extra]
+        argv += ["--cpu", "proxy=" + ",".join(str(pid) for pid in tree(proxy.pid))]
+    return [*argv, *extra]
+
+
+def run_generator(argv: list[str], timeout: float) -> dict[str, Any]:
+    proc = spawn(argv, cpus=PINNING["load"])
+    try:
+        return read_json(proc, timeout)
+    finally:
+        stop(proc)
 
 
 def rotated(items: list[Cell], by: int) -> list[Cell]:
@@ -541,135 +595,67 @@ def rotated(items: list[Cell], by: int) -> list[Cell]:
     return items[by:] + items[:by]
 
 
-def percentile(sorted_values: list[int], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return float(sorted_values[index])
-
-
 # --- measurements ----------------------------------------------------------------------------
 
 
 def measure_throughput(
     cell: Cell, proxy: Proxy | None, origins: Origins, size: int
 ) -> dict[str, Any]:
-    argv = loadgen("throughput", cell, proxy, origins.bulk, "--bytes", str(size))
-    before = cpu_seconds(proxy.pid) if proxy else 0.0
-    proc = spawn(argv)
-    try:
-        result = read_json(proc, RUN_TIMEOUT)
-    finally:
-        stop(proc)
-    cpu = cpu_seconds(proxy.pid) - before if proxy else float("nan")
-    return {
-        "mb_per_s": result["bytes"] / result["seconds"] / 1e6,
-        "cpu_s_per_gib": cpu / (result["bytes"] / GIB) if proxy else None,
-    }
+    argv = generator("throughput", cell, proxy, origins.bulk, "--bytes", str(size))
+    result = run_generator([*argv, "--chunk", str(CHUNK)], RUN_TIMEOUT)
+    sample: dict[str, Any] = {"mb_per_s": result["mb_per_s"], "cpu_s_per_gib": None}
+    if proxy is not None:
+        cpu = result["cpu"]["proxy"]
+        sample["cpu_s_per_gib"] = (cpu["utime_s"] + cpu["stime_s"]) / (result["bytes"] / GIB)
+    return sample
 
 
-def measure_setup(
+def measure_rate(
+    test: str,
     cell: Cell,
     proxy: Proxy | None,
     origins: Origins,
     concurrency: int,
-    duration: float,
-    warmup: float,
+    params: Params,
 ) -> dict[str, Any]:
-    split = (
-        [concurrency] if concurrency == 1 else [concurrency // 2, concurrency - concurrency // 2]
+    """One run of the short-tunnel or plain-HTTP generator; rates over its recorded window."""
+    mode, target, extra = "tunnel", origins.echo, []
+    if test in ("http", "keepalive"):
+        mode, target = "http", origins.http
+        extra = ["--requests-per-connection", "1" if test == "http" else "0"]
+    extra += ["--concurrency", str(concurrency), "--threads", str(GENERATOR_THREADS)]
+    extra += ["--warmup", str(params.warmup), "--duration", str(params.duration)]
+    extra += ["--cpu", f"origin={origins.proc.pid}"]
+    result = run_generator(
+        generator(mode, cell, proxy, target, *extra), params.warmup + params.duration + RUN_TIMEOUT
     )
-    timing = ["--duration", str(duration), "--warmup", str(warmup)]
-    procs = [
-        spawn(
-            loadgen("setup", cell, proxy, origins.echo, "--concurrency", str(k), *timing),
-            stdin=subprocess.PIPE,
-        )
-        for k in split
-    ]
-    try:
-        for proc in procs:
-            read_json(proc, START_TIMEOUT)  # {"event": "ready"}
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write(b"go\n")
-            proc.stdin.flush()
-        time.sleep(warmup)
-        before = cpu_seconds(proxy.pid) if proxy else 0.0
-        origin_before = cpu_seconds(origins.procs[1].pid)
-        time.sleep(duration)
-        cpu = cpu_seconds(proxy.pid) - before if proxy else float("nan")
-        origin_cpu = cpu_seconds(origins.procs[1].pid) - origin_before
-        results = [read_json(proc, duration + warmup + RUN_TIMEOUT) for proc in procs]
-    finally:
-        for proc in procs:
-            stop(proc)
-    latencies = sorted(v for r in results for v in r["latencies_us"])
-    count = len(latencies)
-    errors: dict[str, int] = {}
-    for r in results:
-        for kind, n in r["error_kinds"].items():
-            errors[kind] = errors.get(kind, 0) + n
-    return {
-        "per_s": count / duration,
-        "p50_ms": percentile(latencies, 0.50) / 1000,
-        "p99_ms": percentile(latencies, 0.99) / 1000,
-        "cpu_us": cpu / count * 1e6 if proxy and count else None,
-        "proxy_cores": cpu / duration if proxy else None,
-        "generator_cores": sum(r["cpu_seconds"] for r in results)
-        / sum(r["elapsed"] for r in results)
-        * len(results),
-        "origin_cores": origin_cpu / duration,
-        "errors": sum(r["errors"] for r in results),
-        "error_kinds": errors,
+    ops, seconds = result["ops"], result["elapsed"]
+    origin = result["cpu"]["origin"]
+    sample: dict[str, Any] = {
+        "per_s": result["per_s"],
+        "p50_ms": result["p50_us"] / 1000,
+        "p99_ms": result["p99_us"] / 1000,
+        "generator_cores": result["generator_cpu_s"] / seconds,
+        "generator_user_us": result["generator_utime_s"] / ops * 1e6 if ops else None,
+        "origin_cores": (origin["utime_s"] + origin["stime_s"]) / seconds,
+        "busy_cores": result["busy_cores"],
+        "errors": result["errors"],
+        "error_kinds": result["error_kinds"],
+        "reconnects": result["reconnects"],
+        "cpu_us": None,
     }
+    if proxy is not None and ops:
+        cpu = result["cpu"]["proxy"]
+        sample["user_us"] = cpu["utime_s"] / ops * 1e6
+        sample["sys_us"] = cpu["stime_s"] / ops * 1e6
+        sample["cpu_us"] = sample["user_us"] + sample["sys_us"]
+        sample["proxy_cores"] = (cpu["utime_s"] + cpu["stime_s"]) / seconds
+    return sample
 
 
-def measure_http(
-    cell: Cell,
-    proxy: Proxy | None,
-    origins: Origins,
-    concurrency: int,
-    duration: float,
-    workdir: Path,
-) -> dict[str, Any]:
-    wrk = which("wrk")
-    assert wrk is not None
-    origin = f"{HOST}:{origins.http}"
-    script = workdir / f"wrk-{'direct' if proxy is None else 'proxy'}.lua"
-    path = "/" if proxy is None else f"http://{origin}/"
-    script.write_text(WRK_SCRIPT.format(path=path, host=origin))
-    server = origin if proxy is None else f"{HOST}:{proxy_port(proxy, 'connect')}"
-    threads = min(2, concurrency)
-    argv = [wrk, "-t", str(threads), "-c", str(concurrency), "-d", f"{duration:g}s"]
-    argv += ["--timeout", "5s", "-s", str(script), f"http://{server}/"]
-    before = cpu_seconds(proxy.pid) if proxy else 0.0
-    proc = spawn(argv)
-    try:
-        out, _ = proc.communicate(timeout=duration + RUN_TIMEOUT)
-    finally:
-        stop(proc)
-    cpu = cpu_seconds(proxy.pid) - before if proxy else float("nan")
-    text = out.decode(errors="replace")
-    found = re.search(r"^WRKJSON (.*)$", text, re.MULTILINE)
-    if found is None:
-        raise RuntimeError(f"wrk printed no summary: {text[-500:]}")
-    stats: dict[str, Any] = json.loads(found.group(1))
-    seconds = stats["duration_us"] / 1e6
-    requests = stats["requests"]
-    errors = sum(stats[k] for k in stats if k.endswith("_errors") or k == "timeouts")
-    return {
-        "per_s": requests / seconds,
-        "p50_ms": stats["p50_us"] / 1000,
-        "p99_ms": stats["p99_us"] / 1000,
-        "cpu_us": cpu / requests * 1e6 if proxy and requests else None,
-        "proxy_cores": cpu / seconds if proxy else None,
-        "errors": errors,
-        "error_kinds": {k: v for k, v in stats.items() if v and k not in _WRK_NOT_ERRORS},
-    }
-
-
-_WRK_NOT_ERRORS = {"requests", "duration_us", "p50_us", "p99_us"}
+def idle_generator(cell: Cell, proxy: Proxy, origins: Origins, count: int) -> list[str]:
+    extra = ["--count", str(count), "--concurrency", str(IDLE_IN_FLIGHT), "--hold", "120"]
+    return generator("idle", cell, proxy, origins.echo, *extra)
 
 
 def measure_idle(kind: ProxyKind, workdir: Path, origins: Origins, count: int) -> dict[str, Any]:
@@ -678,8 +664,9 @@ def measure_idle(kind: ProxyKind, workdir: Path, origins: Origins, count: int) -
     procs: list[subprocess.Popen[bytes]] = []
     try:
         warm = spawn(
-            loadgen("idle", cell, proxy, origins.echo, "--count", str(IDLE_WARM_UP)),
+            idle_generator(cell, proxy, origins, IDLE_WARM_UP),
             stdin=subprocess.PIPE,
+            cpus=PINNING["load"],
         )
         procs.append(warm)
         read_json(warm, RUN_TIMEOUT)
@@ -691,8 +678,9 @@ def measure_idle(kind: ProxyKind, workdir: Path, origins: Origins, count: int) -
         time.sleep(1.0)
         base_rss, _ = memory_kib(proxy.pid)
         gen = spawn(
-            loadgen("idle", cell, proxy, origins.echo, "--count", str(count)),
+            idle_generator(cell, proxy, origins, count),
             stdin=subprocess.PIPE,
+            cpus=PINNING["load"],
         )
         procs.append(gen)
         opened = read_json(gen, RUN_TIMEOUT)
@@ -734,9 +722,9 @@ def system_busy_seconds() -> float:
 class LoadMeter:
     """Measures how much CPU processes that are not ours used during a sample.
 
-    Ours: this process, its waited children (generators, wrk) and the process
-    trees of the long-running children (origins, proxies). Everything else that
-    was busy is other load (other users' jobs, a build, a test suite). A sample
+    Ours: this process, its waited children (generators) and the process trees
+    of the long-running children (origin, proxies). Everything else that was
+    busy is other load (other users' jobs, a build, a test suite). A sample
     taken while others used more than NOISE_CORES is repeated (at most
     NOISE_RETRIES times, while the run's retake budget lasts) and the quietest
     attempt is kept.
@@ -775,6 +763,12 @@ def noise(sample: dict[str, Any]) -> str:
     return f"  [other load {other:.2f} cores]" if other > NOISE_CORES / 2 else ""
 
 
+def load_average() -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return "?"
+
+
 # --- smoke check -----------------------------------------------------------------------------
 
 
@@ -795,8 +789,7 @@ def smoke(proxy: Proxy, origins: Origins) -> None:
     for via in ("connect", "socks5"):
         if (proxy.http if via == "connect" else proxy.socks) is None:
             continue
-        cell = Cell(proxy.name, via)
-        measure_throughput(cell, proxy, origins, 1 << 20)
+        measure_throughput(Cell(proxy.name, via), proxy, origins, 1 << 20)
     if not proxy.forwards:
         return
     assert proxy.http is not None
@@ -814,20 +807,21 @@ class Params:
     gib: float
     duration: float
     warmup: float
-    http_duration: float
     idle_counts: tuple[int, ...]
     idle_note: str = ""
     idle_fits: int = 0  # tunnels one proxy process can hold (0: no cap)
     retake_budget: float = 0.0  # seconds of retaken samples the whole run may spend
     concurrency: tuple[int, ...] = CONCURRENCY
     tests: tuple[str, ...] = TESTS
+    pin_load: str | None = None
+    pin_proxy: str | None = None
 
 
 @dataclass
 class Results:
     throughput: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    setup: dict[str, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
-    http: dict[str, dict[int, list[dict[str, Any]]]] = field(default_factory=dict)
+    # test ("tunnels", "http", "keepalive") -> row label -> concurrency -> samples
+    rates: dict[str, dict[str, dict[int, list[dict[str, Any]]]]] = field(default_factory=dict)
     idle: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
 
 
@@ -835,8 +829,7 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run(params: Params, kinds: list[ProxyKind], workroot: Path, results: Results) -> None:
-    origins = start_origins()
+def start_proxies(kinds: list[ProxyKind], workroot: Path, origins: Origins) -> dict[str, Proxy]:
     proxies: dict[str, Proxy] = {}
     for kind in kinds:
         workdir = workroot / kind.name
@@ -844,48 +837,55 @@ def run(params: Params, kinds: list[ProxyKind], workroot: Path, results: Results
         proxies[kind.name] = proxy = kind.start(workdir, origins)
         smoke(proxy, origins)
         log(f"started {kind.name} (pid {proxy.pid})")
-    tunnel_cells = cells_for(proxies, socks=True)
-    http_cells = cells_for(proxies, socks=False, forwarding=True)
+    return proxies
+
+
+def run(
+    params: Params, kinds: list[ProxyKind], workroot: Path, results: Results, info: dict[str, str]
+) -> None:
+    origins = start_origins()
+    proxies = start_proxies(kinds, workroot, origins)
+    cells = {
+        "throughput": cells_for(proxies, socks=True),
+        "tunnels": cells_for(proxies, socks=True),
+        "http": cells_for(proxies, socks=False, forwarding=True),
+        "keepalive": cells_for(proxies, socks=False, forwarding=True),
+    }
     size = int(params.gib * GIB)
 
     def of(cell: Cell) -> Proxy | None:
         return None if cell.proxy is None else proxies[cell.proxy]
 
-    watched = [proc.pid for proc in origins.procs] + [p.pid for p in proxies.values()]
+    watched = [origins.proc.pid] + [p.pid for p in proxies.values()]
     meter = LoadMeter(watched, params.retake_budget)
+    info["loadavg_start"] = load_average()
     for number in range(params.rounds):
-        order = rotated(tunnel_cells, number) if "throughput" in params.tests else []
+        order = rotated(cells["throughput"], number) if "throughput" in params.tests else []
         if order:
-            log(f"round {number + 1}/{params.rounds}: throughput")
+            log(f"round {number + 1}/{params.rounds}: one tunnel")
         for cell in order + order[::-1]:  # two runs per round, the second in reverse order
             sample = meter.measure(partial(measure_throughput, cell, of(cell), origins, size))
             results.throughput.setdefault(cell.label, []).append(sample)
-            log(f"  {cell.label:20} {sample['mb_per_s']:8.0f} MB/s{noise(sample)}")
-        for conc in params.concurrency if "setup" in params.tests else ():
-            log(f"round {number + 1}/{params.rounds}: short tunnels, concurrency {conc}")
-            for cell in rotated(tunnel_cells, number):
-                job = partial(
-                    measure_setup, cell, of(cell), origins, conc, params.duration, params.warmup
-                )
-                sample = meter.measure(job)
-                results.setup.setdefault(cell.label, {}).setdefault(conc, []).append(sample)
-                log(
-                    f"  {cell.label:20} {sample['per_s']:8.0f}/s p50 {sample['p50_ms']:.2f}"
-                    f" p99 {sample['p99_ms']:.2f} ms errors {sample['errors']}{noise(sample)}"
-                )
-        for conc in params.concurrency if "http" in params.tests else ():
-            log(f"round {number + 1}/{params.rounds}: plain HTTP, concurrency {conc}")
-            for cell in rotated(http_cells, number):
-                job = partial(
-                    measure_http, cell, of(cell), origins, conc, params.http_duration, workroot
-                )
-                sample = meter.measure(job)
-                label = cell.proxy or "direct"
-                results.http.setdefault(label, {}).setdefault(conc, []).append(sample)
-                log(
-                    f"  {label:20} {sample['per_s']:8.0f}/s p50 {sample['p50_ms']:.2f}"
-                    f" p99 {sample['p99_ms']:.2f} ms errors {sample['errors']}{noise(sample)}"
-                )
+            log(f"  {cell.label:22} {sample['mb_per_s']:8.0f} MB/s{noise(sample)}")
+        for test in RATE_TESTS:
+            if test not in params.tests:
+                continue
+            for conc in params.concurrency:
+                log(f"round {number + 1}/{params.rounds}: {test}, concurrency {conc}")
+                for cell in rotated(cells[test], number):
+                    job = partial(measure_rate, test, cell, of(cell), origins, conc, params)
+                    sample = meter.measure(job)
+                    label = cell.label if test == "tunnels" else cell.proxy or "direct"
+                    table = results.rates.setdefault(test, {}).setdefault(label, {})
+                    table.setdefault(conc, []).append(sample)
+                    cpu = sample["cpu_us"]
+                    log(
+                        f"  {label:22} {sample['per_s']:8.0f}/s p50 {sample['p50_ms']:.2f}"
+                        f" p99 {sample['p99_ms']:.2f} ms"
+                        + (f" cpu {cpu:.0f} us" if cpu else "")
+                        + f" errors {sample['errors']}{noise(sample)}"
+                    )
+    info["loadavg_end"] = load_average()
     for proxy in proxies.values():
         stop(proxy.proc)
     for count in params.idle_counts:
@@ -903,8 +903,7 @@ def run(params: Params, kinds: list[ProxyKind], workroot: Path, results: Results
                 f" rss {sample['rss_kib'] / 1024:.1f} MiB"
                 f" ({sample['kib_per_tunnel'] or 0:.2f} KiB/tunnel)"
             )
-    for proc in origins.procs:
-        stop(proc)
+    stop(origins.proc)
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -939,22 +938,15 @@ def machine() -> dict[str, str]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "uvloop": importlib.metadata.version("uvloop"),
-        "wrk": " ".join(first_line([which("wrk") or "wrk", "-v"]).split()[:2]),
         "nofile": str(resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
     }
 
 
 def all_samples(results: Results) -> list[dict[str, Any]]:
     found = [s for samples in results.throughput.values() for s in samples]
-    for table in (results.setup, results.http):
+    for table in results.rates.values():
         found += [s for by_conc in table.values() for samples in by_conc.values() for s in samples]
     return found
-
-
-def rate_cells(samples: list[dict[str, Any]]) -> str:
-    rate = fmt(summarize(samples, "per_s"))
-    p50, p99 = fmt(summarize(samples, "p50_ms"), 2), fmt(summarize(samples, "p99_ms"), 2)
-    return f" {rate} | {p50} / {p99} |"
 
 
 def report(results: Results, params: Params, info: dict[str, str], versions: dict[str, str]) -> str:
@@ -962,35 +954,38 @@ def report(results: Results, params: Params, info: dict[str, str], versions: dic
     add = out.append
     add(
         f"Measured {info['date']} on {info['nproc']} cores ({info['cpu']}), Linux {info['kernel']},"
-        f" Python {info['python']}, uvloop {info['uvloop']}, {info['wrk']};"
-        f" {params.rounds} interleaved round(s); medians over rounds."
+        f" Python {info['python']}, uvloop {info['uvloop']}; load generator benchmarks/loadgen.c"
+        f" ({GENERATOR_THREADS} threads), origin benchmarks/origin.c; {params.rounds} interleaved"
+        " round(s); medians over rounds."
     )
-    others = [
-        sample["other_cores"]
-        for sample in all_samples(results)
-        if sample.get("other_cores") is not None
-    ]
+    if params.pin_load or params.pin_proxy:
+        add(
+            f"Pinned with taskset: generator and origin on CPU {params.pin_load or 'any'},"
+            f" proxies on CPU {params.pin_proxy or 'any'}."
+        )
+    others = [s["other_cores"] for s in all_samples(results) if s.get("other_cores") is not None]
     if others:
         retried = sum(1 for sample in all_samples(results) if sample.get("attempts", 1) > 1)
         add(
             f"Other processes on the machine used {statistics.median(others):.2f} cores (median;"
             f" max {max(others):.2f}) during the samples; {retried} of {len(others)} samples"
             f" were retaken (within a {params.retake_budget:g} s budget) because others used"
-            f" more than {NOISE_CORES} cores."
+            f" more than {NOISE_CORES} cores. Load average at the start and end:"
+            f" {info.get('loadavg_start', '?')} / {info.get('loadavg_end', '?')}."
         )
     add("")
-    add("| proxy | version | logging |")
+    add("| proxy | version | configuration |")
     add("|---|---|---|")
     for kind in KINDS:
         if kind.name in versions:
-            add(f"| {kind.name} | {versions[kind.name]} | {kind.logging} |")
+            add(f"| {kind.name} | {versions[kind.name]} | {kind.config} |")
     add("")
+    summary_table(results, params, add)
     if results.throughput:
         throughput_table(results, params, add)
-    if results.setup:
-        rate_table(results.setup, params, add, http=False)
-    if results.http:
-        rate_table(results.http, params, add, http=True)
+    for test in RATE_TESTS:
+        if test in results.rates:
+            rate_table(test, results.rates[test], params, add)
     if results.idle:
         idle_table(results, add)
         if params.idle_note:
@@ -1000,11 +995,87 @@ def report(results: Results, params: Params, info: dict[str, str], versions: dic
     return "\n".join(out)
 
 
+def column_names(results: Results) -> list[str]:
+    """direct, then every proxy that has a row somewhere, in KINDS order."""
+    labels = set(results.throughput) | set(results.idle)
+    for table in results.rates.values():
+        labels |= set(table)
+    names = {label.split()[0] for label in labels}
+    return ["direct"] + [k.name for k in KINDS if k.name in names]
+
+
+def triple(by_conc: dict[int, list[dict[str, Any]]] | None, key: str = "per_s") -> str:
+    if not by_conc:
+        return "-"
+    return " / ".join(fmt(summarize(by_conc.get(c, []), key)) for c in sorted(by_conc))
+
+
+def summary_table(results: Results, params: Params, add: Callable[[str], None]) -> None:
+    names = column_names(results)
+    rates = results.rates
+
+    def row(title: str, cell: Callable[[str], str]) -> None:
+        add(f"| {title} | " + " | ".join(cell(name) for name in names) + " |")
+
+    def rate_of(test: str, suffix: str) -> Callable[[str], str]:
+        def cell(name: str) -> str:
+            if name == "direct" and suffix == "SOCKS5":
+                return "-"  # one direct row, under CONNECT
+            label = name if name == "direct" or not suffix else f"{name} {suffix}"
+            return triple(rates.get(test, {}).get(label))
+
+        return cell
+
+    def cpu_of(test: str, suffix: str) -> Callable[[str], str]:
+        def cell(name: str) -> str:
+            if name == "direct":
+                return "-"
+            label = f"{name} {suffix}" if suffix else name
+            samples = rates.get(test, {}).get(label, {}).get(CPU_AT, [])
+            total, user = summarize(samples, "cpu_us"), summarize(samples, "user_us")
+            if total is None or user is None:
+                return "-"
+            return f"{total:.0f} µs ({user:.0f} user)"
+
+        return cell
+
+    def throughput(name: str) -> str:
+        label = name if name == "direct" else f"{name} CONNECT"
+        samples = results.throughput.get(label)
+        if not samples:
+            return "-"
+        cpu = summarize(samples, "cpu_s_per_gib")
+        rate = fmt(summarize(samples, "mb_per_s"))
+        return rate if cpu is None else f"{rate} ({cpu:.2f})"
+
+    def idle(name: str) -> str:
+        by_count = results.idle.get(name, {})
+        values = [fmt(s["kib_per_tunnel"], 1) for _, s in sorted(by_count.items())]
+        return " / ".join(values) + " KiB" if values else "-"
+
+    concs = " / ".join(str(c) for c in params.concurrency)
+    add("**Summary** (medians over rounds; the tables below have every figure)")
+    add("")
+    add("| | " + " | ".join(names) + " |")
+    add("|---|" + "---:|" * len(names))
+    row(f"short CONNECT tunnels/s at {concs} clients", rate_of("tunnels", "CONNECT"))
+    row(f"short SOCKS5 tunnels/s at {concs} clients", rate_of("tunnels", "SOCKS5"))
+    row(f"proxy CPU per short CONNECT tunnel ({CPU_AT} clients)", cpu_of("tunnels", "CONNECT"))
+    row(f"proxy CPU per short SOCKS5 tunnel ({CPU_AT} clients)", cpu_of("tunnels", "SOCKS5"))
+    row(f"plain HTTP, one request per connection, req/s at {concs}", rate_of("http", ""))
+    row(f"proxy CPU per request, one per connection ({CPU_AT} clients)", cpu_of("http", ""))
+    row(f"plain HTTP, kept-alive, req/s at {concs}", rate_of("keepalive", ""))
+    row(f"proxy CPU per kept-alive request ({CPU_AT} clients)", cpu_of("keepalive", ""))
+    row("one tunnel (CONNECT), MB/s (proxy CPU s/GiB)", throughput)
+    row("memory per idle tunnel (2,000 / 10,000 tunnels)", idle)
+    add("")
+
+
 def throughput_table(results: Results, params: Params, add: Callable[[str], None]) -> None:
     direct = summarize(results.throughput.get("direct", []), "mb_per_s")
     add(
-        f"**One tunnel** ({params.gib:g} GiB up through one tunnel per run, two runs per round;"
-        " CPU = utime + stime of the proxy's process tree per GiB moved)"
+        f"**One tunnel** ({params.gib:g} GiB up through one tunnel per run in {CHUNK >> 20} MiB"
+        " writes, two runs per round; CPU = utime + stime of the proxy's process tree per GiB)"
     )
     add("")
     add("| target | MB/s | x direct | proxy CPU s/GiB |")
@@ -1017,48 +1088,66 @@ def throughput_table(results: Results, params: Params, add: Callable[[str], None
     add("")
 
 
+RATE_TITLES = {
+    "tunnels": (
+        "**Short tunnels** (connect, CONNECT or SOCKS5 handshake, one 64-byte echo, close;"
+        " latency = connect() to the echo's last byte)"
+    ),
+    "http": (
+        "**Plain HTTP, one request per connection** (connect, absolute-form GET of a 13-byte"
+        " body, read the response, close; latency = connect() to the body's last byte)"
+    ),
+    "keepalive": (
+        "**Plain HTTP, kept-alive** (one connection per client, absolute-form GETs of a 13-byte"
+        " body one after another; latency = request write to the body's last byte)"
+    ),
+}
+
+
 def rate_table(
+    test: str,
     table: dict[str, dict[int, list[dict[str, Any]]]],
     params: Params,
     add: Callable[[str], None],
-    *,
-    http: bool,
 ) -> None:
     concs = params.concurrency
-    if http:
-        add(
-            f"**Plain HTTP** (wrk, keep-alive, absolute-form GET of a 13-byte body,"
-            f" {params.http_duration:g} s per run; latency from wrk; CPU = proxy CPU per request)"
-        )
-    else:
-        add(
-            f"**Short tunnels** (connect, handshake, one 64-byte echo, close;"
-            f" {params.duration:g} s per run from 2 generator processes; latency = connect() to"
-            " the echo's last byte; CPU = proxy CPU per tunnel)"
-        )
+    per = "tunnel" if test == "tunnels" else "request"
+    add(
+        RATE_TITLES[test][:-1] + f"; {params.duration:g} s recorded per run after"
+        f" {params.warmup:g} s; CPU = the proxy's user + system CPU per {per} over the"
+        " recorded window)"
+    )
     add("")
-    unit = "req/s" if http else "/s"
-    per = "request" if http else "tunnel"
-    head = "| target |" + "".join(f" c={c} {unit} | c={c} p50/p99 ms |" for c in concs)
-    add(head + f" CPU us/{per} (c={concs[-1]}) |")
-    add("|---|" + "---:|---:|" * len(concs) + "---:|")
+    head = "| target |" + "".join(f" c={c} /s | c={c} p50/p99 ms |" for c in concs)
+    add(head + f" CPU µs/{per} (c={CPU_AT}) | user / sys µs | generator cores (c={CPU_AT}) |")
+    add("|---|" + "---:|---:|" * len(concs) + "---:|---:|---:|")
     notes = []
     for label, by_conc in table.items():
         row = f"| {label} |"
         for conc in concs:
-            row += rate_cells(by_conc.get(conc, []))
-        row += f" {fmt(summarize(by_conc.get(concs[-1], []), 'cpu_us'))} |"
+            samples = by_conc.get(conc, [])
+            rate = fmt(summarize(samples, "per_s"))
+            p50, p99 = fmt(summarize(samples, "p50_ms"), 2), fmt(summarize(samples, "p99_ms"), 2)
+            row += f" {rate} | {p50} / {p99} |"
+        at = by_conc.get(CPU_AT, [])
+        user, sys_us = fmt(summarize(at, "user_us")), fmt(summarize(at, "sys_us"))
+        row += f" {fmt(summarize(at, 'cpu_us'))} | {user} / {sys_us} |"
+        row += f" {fmt(summarize(at, 'generator_cores'), 2)} |"
         add(row)
         kinds: dict[str, int] = {}
+        reconnects = 0
         for samples in by_conc.values():
             for sample in samples:
+                reconnects += sample.get("reconnects", 0)
                 for kind, n in sample["error_kinds"].items():
                     kinds[kind] = kinds.get(kind, 0) + n
         if kinds:
             notes.append(f"{label}: " + ", ".join(f"{k} {n:,}" for k, n in kinds.items()))
+        if reconnects:
+            notes.append(f"{label}: {reconnects:,} kept-alive connections closed by the server")
     add("")
     if notes:
-        add("Errors counted by the generator: " + "; ".join(notes) + ".")
+        add("Counted by the generator (all runs): " + "; ".join(notes) + ".")
         add("")
 
 
@@ -1090,86 +1179,66 @@ def idle_table(results: Results, add: Callable[[str], None]) -> None:
 
 
 def checks(results: Results) -> str:
-    """The issue's targets for egressbox, each with its figures."""
+    """The issue's targets for egressbox, each with its figures, and the generator's headroom."""
     lines = ["**Targets** (egressbox)", ""]
-
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "MISSED"
-
     direct = summarize(results.throughput.get("direct", []), "mb_per_s")
     for via in ("CONNECT", "SOCKS5"):
         mine = summarize(results.throughput.get(f"egressbox {via}", []), "mb_per_s")
-        if mine is None or direct is None:
-            continue
-        others = {
-            label: summarize(samples, "mb_per_s")
-            for label, samples in results.throughput.items()
-            if not label.startswith(("egressbox", "direct", FLOOR))
-        }
-        best_label, best = max(others.items(), key=lambda kv: kv[1] or 0, default=("-", None))
-        lines.append(
-            f"- one tunnel, {via}: {mine / direct:.3f} x direct (>= 0.6: "
-            f"{verdict(mine >= 0.6 * direct)})"
-            + (
-                f"; {mine / best:.3f} x the best other proxy ({best_label}; >= 1.5:"
-                f" {verdict(mine >= 1.5 * best)})"
-                if best
-                else ""
-            )
-        )
-    for table, name, suffix in (
-        (results.setup, "short tunnels", " CONNECT"),
-        (results.http, "plain HTTP", ""),
+        if mine is not None and direct:
+            met = "met" if mine >= 0.5 * direct else "MISSED"
+            lines.append(f"- one tunnel, {via}: {mine / direct:.2f} x direct (>= 0.5: {met})")
+    for test, suffix, name in (
+        ("tunnels", " CONNECT", "short CONNECT tunnels"),
+        ("tunnels", " SOCKS5", "short SOCKS5 tunnels"),
+        ("http", "", "plain HTTP, one request per connection"),
+        ("keepalive", "", "plain HTTP, kept-alive"),
     ):
+        table = results.rates.get(test, {})
         mine_by = table.get("egressbox" + suffix, {})
-        for other in ("squid" + suffix, "tinyproxy" + suffix):
-            theirs_by = table.get(other, {})
-            parts = []
-            ok = True
-            for conc, samples in mine_by.items():
+        for other in ("squid", "tinyproxy"):
+            theirs_by = table.get(other + ("" if test != "tunnels" else " CONNECT"), {})
+            parts, ok = [], True
+            for conc, samples in sorted(mine_by.items()):
                 mine = summarize(samples, "per_s")
                 theirs = summarize(theirs_by.get(conc, []), "per_s")
-                if mine is None or theirs is None:
+                if mine is None or not theirs:
                     continue
                 parts.append(f"c={conc}: {mine / theirs:.2f} x")
                 ok = ok and mine >= theirs
             if parts:
-                goal = "at least" if other.startswith("squid") else "aiming at"
-                lines.append(
-                    f"- {name} vs {other.split()[0]} ({goal}): {', '.join(parts)}"
-                    f" ({verdict(ok) if goal == 'at least' else 'reached' if ok else 'not yet'})"
-                )
+                verdict = "at or above" if ok else "below at some concurrency"
+                lines.append(f"- {name} vs {other}: {', '.join(parts)} ({verdict})")
     lines += headroom(results)
-    idle = results.idle.get("egressbox", {})
-    for _, s in sorted(idle.items()):
-        per = s["kib_per_tunnel"]
-        if per is not None:
-            met = verdict(per <= 8)
-            lines.append(f"- idle, {s['open']:,} tunnels: {per:.2f} KiB per tunnel (<= 8: {met})")
     return "\n".join(lines)
 
 
 def headroom(results: Results) -> list[str]:
-    """Direct (same generator, no proxy) over the fastest proxy: the generator's headroom."""
-    lines = []
-    for table, name in ((results.setup, "short tunnels"), (results.http, "plain HTTP")):
+    """Direct (same generator, no proxy) over the fastest proxy, and the generator's CPU."""
+    lines = ["", "**Generator headroom** (direct over the fastest proxy row; >= 3 x wanted)", ""]
+    for test, table in results.rates.items():
         direct_by = table.get("direct", {})
         ratios = []
         for conc, samples in sorted(direct_by.items()):
             direct = summarize(samples, "per_s")
-            best = max(
+            best_label, best = max(
                 (
-                    summarize(by.get(conc, []), "per_s") or 0
-                    for k, by in table.items()
-                    if k != "direct"
+                    (label, summarize(by.get(conc, []), "per_s") or 0.0)
+                    for label, by in table.items()
+                    if label != "direct"
                 ),
-                default=0,
+                key=lambda kv: kv[1],
+                default=("-", 0.0),
             )
             if direct and best:
-                ratios.append(f"c={conc}: {direct / best:.1f} x")
+                ratios.append(f"c={conc}: {direct / best:.1f} x ({best_label})")
+        rows = [by.get(CPU_AT, []) for label, by in table.items() if label != "direct"]
+        cores = max((summarize(r, "generator_cores") or 0.0 for r in rows), default=0.0)
+        users = [u for u in (summarize(r, "generator_user_us") for r in rows) if u is not None]
         if ratios:
             lines.append(
-                f"- generator headroom, {name}: direct over the fastest proxy {', '.join(ratios)}"
+                f"- {test}: {', '.join(ratios)}; the generator used at most {cores:.2f} cores"
+                f" in a proxy row at c={CPU_AT}"
+                + (f", {max(users):.1f} µs of user CPU per operation" if users else "")
             )
     return lines
 
@@ -1186,8 +1255,7 @@ def report_from_json(path: Path) -> str:
 
     results = Results(
         throughput=saved["throughput"],
-        setup=by_int(saved["setup"]),
-        http=by_int(saved["http"]),
+        rates={test: by_int(table) for test, table in saved["rates"].items()},
         idle=by_int(saved["idle"]),
     )
     return report(results, params, payload["machine"], payload["versions"])
@@ -1196,54 +1264,66 @@ def report_from_json(path: Path) -> str:
 # --- main ---------------------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer, shorter runs (~2 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter runs (~3 min)")
     parser.add_argument("--json", metavar="FILE", help="write every sample as JSON")
     parser.add_argument("--markdown", metavar="FILE", help="write the tables as Markdown")
     parser.add_argument(
         "--proxies",
-        default=",".join(k.name for k in KINDS),
+        default=",".join(DEFAULT_PROXIES),
         help="comma-separated subset of: " + ", ".join(k.name for k in KINDS),
     )
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; quick 2)")
+    parser.add_argument("--duration", type=float, help="seconds recorded per rate run")
+    parser.add_argument("--gib", type=float, help="GiB per one-tunnel run")
     parser.add_argument("--no-idle", action="store_true", help="skip the idle-tunnel test")
     parser.add_argument(
         "--tests",
         default=",".join(TESTS),
-        help="comma-separated subset of: throughput (one tunnel), setup (short tunnels),"
-        " http (plain HTTP); the idle test is governed by --no-idle",
+        help="comma-separated subset of: throughput (one tunnel), tunnels (short tunnels),"
+        " http (one request per connection), keepalive; the idle test follows --no-idle",
     )
+    parser.add_argument(
+        "--concurrency", default=",".join(map(str, CONCURRENCY)), help="client counts"
+    )
+    parser.add_argument("--pin-load", metavar="CPUS", help="taskset -c list: generator, origin")
+    parser.add_argument("--pin-proxy", metavar="CPUS", help="taskset -c list: the proxies")
     parser.add_argument(
         "--from-json", metavar="FILE", help="only print the tables of an earlier --json run"
     )
-    args = parser.parse_args(argv)
-    if args.from_json:
-        text = report_from_json(Path(args.from_json))
-        print(text)
-        if args.markdown:
-            Path(args.markdown).write_text(text + "\n")
-        return 0
+    return parser.parse_args(argv)
 
-    hard = raise_nofile()
-    fits = (hard - FD_HEADROOM) // 2  # two fds per tunnel in the proxy
-    counts = IDLE_COUNTS
+
+def make_params(args: argparse.Namespace, hard: int) -> Params:
     if args.quick:
-        params = Params(2 if args.rounds is None else args.rounds, 0.5, 1.0, 0.2, 1.0, counts[:1])
+        params = Params(2, 0.5, 1.0, 0.2, IDLE_COUNTS[:1])
         params.retake_budget = 20.0
     else:
-        params = Params(3 if args.rounds is None else args.rounds, 2.0, 3.0, 0.3, 3.0, counts)
+        params = Params(3, 1.0, 2.0, 0.3, IDLE_COUNTS)
         params.retake_budget = 150.0
-    params.idle_fits = fits
+    if args.rounds is not None:
+        params.rounds = args.rounds
+    if args.duration is not None:
+        params.duration = args.duration
+    if args.gib is not None:
+        params.gib = args.gib
+    params.idle_fits = (hard - FD_HEADROOM) // 2  # two fds per tunnel in the proxy
     if args.no_idle:
         params.idle_counts = ()
     params.tests = tuple(t for t in args.tests.split(",") if t)
-    unknown = set(params.tests) - set(TESTS)
-    if unknown:
-        parser.error(
-            f"unknown test(s): {', '.join(sorted(unknown))}; choose from {', '.join(TESTS)}"
+    params.concurrency = tuple(int(c) for c in args.concurrency.split(",") if c)
+    params.pin_load, params.pin_proxy = args.pin_load, args.pin_proxy
+    if params.idle_fits < max(params.idle_counts, default=0):
+        params.idle_note = (
+            f"{max(IDLE_COUNTS):,} tunnels need {2 * max(IDLE_COUNTS):,}+ descriptors in the"
+            f" proxy; the hard RLIMIT_NOFILE here is {hard:,} and raising it needs"
+            f" CAP_SYS_RESOURCE, so a one-process proxy is capped at {params.idle_fits:,}"
         )
-    wanted = args.proxies.split(",")
+    return params
+
+
+def chosen_kinds(wanted: list[str]) -> list[ProxyKind]:
     kinds = []
     for kind in KINDS:
         if kind.name not in wanted:
@@ -1252,18 +1332,29 @@ def main(argv: list[str]) -> int:
             kinds.append(kind)
         else:
             log(f"{kind.name} is not installed: skipped (run benchmarks/setup.sh)")
-    if which("wrk") is None:
-        log("wrk is not installed (run benchmarks/setup.sh)")
-        return 2
-    if fits < max(params.idle_counts, default=0):
-        params.idle_note = (
-            f"{max(IDLE_COUNTS):,} tunnels need {2 * max(IDLE_COUNTS):,}+ descriptors in the"
-            f" proxy; the hard RLIMIT_NOFILE here is {hard:,} and raising it needs"
-            f" CAP_SYS_RESOURCE, so a one-process proxy is capped at {fits:,} (a proxy with"
-            f" several processes at that many per process)"
-        )
-        log(params.idle_note)
+    return kinds
 
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        text = report_from_json(Path(args.from_json))
+        print(text)
+        if args.markdown:
+            Path(args.markdown).write_text(text + "\n")
+        return 0
+    if not (LOADGEN.exists() and ORIGIN.exists()):
+        log("benchmarks/build/loadgen and origin are missing: run benchmarks/setup.sh")
+        return 2
+    unknown = set(args.tests.split(",")) - set(TESTS) - {""}
+    if unknown:
+        log(f"unknown test(s): {', '.join(sorted(unknown))}; choose from {', '.join(TESTS)}")
+        return 2
+    params = make_params(args, raise_nofile())
+    PINNING["load"], PINNING["proxy"] = params.pin_load, params.pin_proxy
+    if params.idle_note:
+        log(params.idle_note)
+    kinds = chosen_kinds(args.proxies.split(","))
     info = machine()
     versions = {kind.name: kind.version() for kind in kinds}
     results = Results()
@@ -1276,7 +1367,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     started = time.monotonic()
     try:
-        run(params, kinds, workroot, results)
+        run(params, kinds, workroot, results, info)
     finally:
         stop_all()
         shutil.rmtree(workroot, ignore_errors=True)
@@ -1292,8 +1383,7 @@ def main(argv: list[str]) -> int:
             "params": params.__dict__,
             "results": {
                 "throughput": results.throughput,
-                "setup": results.setup,
-                "http": results.http,
+                "rates": results.rates,
                 "idle": results.idle,
             },
         }

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Installs what benchmarks/proxy.py compares egressbox with, idempotently:
-# squid, tinyproxy and wrk from Debian (their system services are NOT started:
-# the benchmark runs its own instances on loopback ports), pproxy from PyPI
-# into the project's virtual environment, and py-spy for profiling.
+# Installs and builds what benchmarks/proxy.py needs, idempotently:
+# - squid and tinyproxy from Debian (their system services are NOT started:
+#   the benchmark runs its own instances on loopback ports), gcc, strace and
+#   perf (linux-perf) for benchmarks/profile_tunnel.py;
+# - benchmarks/build/loadgen and benchmarks/build/origin from loadgen.c and
+#   origin.c (gcc -O2; benchmarks/build/ is ignored by git);
+# - pproxy (an optional peer) and py-spy (profiles) from PyPI into
+#   benchmarks/build/pylib, never into the project's .venv.
 #
 #   benchmarks/setup.sh            # as root, or a user with sudo, after scripts/setup
 #
@@ -22,7 +26,7 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 missing=()
-for pkg in squid tinyproxy wrk; do
+for pkg in squid tinyproxy gcc libc6-dev strace linux-perf; do
     if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
         missing+=("$pkg")
     fi
@@ -43,11 +47,14 @@ if [ "${#missing[@]}" -gt 0 ]; then
     fi
 fi
 
-need_pip=""
-"$PYTHON" -c "import pproxy" 2>/dev/null || need_pip=1
-[ -x "$(dirname "$PYTHON")/py-spy" ] || need_pip=1
-if [ -n "$need_pip" ]; then
-    "$PYTHON" -m pip install --quiet pproxy py-spy
+mkdir -p benchmarks/build
+for prog in loadgen origin; do
+    gcc -O2 -Wall -Wextra -pthread -o "benchmarks/build/$prog" "benchmarks/$prog.c"
+done
+
+LIB=benchmarks/build/pylib
+if [ ! -d "$LIB/pproxy" ] || [ ! -x "$LIB/bin/py-spy" ]; then
+    "$PYTHON" -m pip install --quiet --target "$LIB" pproxy py-spy
 fi
 
-echo "setup.sh: squid $(/usr/sbin/squid -v | head -1 | awk '{print $NF}'), tinyproxy $(tinyproxy -v | awk '{print $2}'), wrk $(wrk -v 2>&1 | head -1 | awk '{print $2}'), pproxy $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("pproxy"))')"
+echo "setup.sh: squid $(/usr/sbin/squid -v | head -1 | awk '{print $NF}'), tinyproxy $(tinyproxy -v | awk '{print $2}'), pproxy $(PYTHONPATH=$LIB "$PYTHON" -c 'import importlib.metadata as m; print(m.version("pproxy"))'), benchmarks/build/{loadgen,origin} built"
