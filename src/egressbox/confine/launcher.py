@@ -7,9 +7,11 @@ Process tree (with a PID namespace):
          │                   listeners inside the new netns, sends them up
          └─ reaper (pid 1)   mounts, then forks the command, forwards
             │                signals, reaps, exits with the command's status
-            └─ command       caps dropped, Landlock, fds closed, seccomp, exec
+            └─ command       caps dropped, Landlock, fds closed, seccomp, then
+                             exec on the parent's word ("go": its policy loaded)
 
-When the reaper (pid 1) exits the kernel kills the whole namespace, so no
+All of it but the exec happens while the parent loads its policy. When the
+reaper (pid 1) exits the kernel kills the whole namespace, so no
 double-forked daemon outlives the run. Imports are stdlib and our own
 small confine modules only: no asyncio, no dnspython.
 

@@ -4,6 +4,7 @@
     facts      what the host supports, probed once and cached where no child can write
     assemble   the launch plan, assembled from options and facts before the fork
     spawn      fork the launcher, receive its listeners and what it applied
+    zygote     the command line's launcher, forked before the plan exists
     supervise  serve the proxy until the command exits; why a failure happened
     api        run(), run_sync(), spawn_confined(), ConfinedProcess
 
