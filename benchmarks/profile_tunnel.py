@@ -143,7 +143,11 @@ def report_perf(data: Path, keys: str, top: int) -> str:
 
 
 def py_spy_profile(
-    proxy: bench.Proxy, origins: bench.Origins, seconds: float, workdir: Path
+    proxy: bench.Proxy,
+    origins: bench.Origins,
+    seconds: float,
+    workdir: Path,
+    keep: Path | None = None,
 ) -> str:
     if not PY_SPY.exists():
         return "py-spy is not installed (benchmarks/setup.sh installs it).\n"
@@ -156,6 +160,8 @@ def py_spy_profile(
     recorder.wait(60)
     if not raw.exists():
         return "py-spy wrote no profile.\n"
+    if keep is not None:
+        shutil.copyfile(raw, keep)
     return summarize_stacks(raw.read_text())
 
 
@@ -242,6 +248,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="the untraced run")
     parser.add_argument("--profile-seconds", type=float, default=15.0, help="perf, py-spy")
     parser.add_argument("--proxies", default="egressbox,tinyproxy,squid")
+    parser.add_argument("--py-spy-raw", metavar="FILE", type=Path, help="keep py-spy's stacks")
     args = parser.parse_args(argv)
     if not bench.LOADGEN.exists():
         print("run benchmarks/setup.sh first (benchmarks/build/loadgen)", file=sys.stderr)
@@ -273,7 +280,9 @@ def main(argv: list[str]) -> int:
             bench.log("egressbox: perf record, then py-spy record")
             proxy = proxies["egressbox"]
             out.append(perf_profile(proxy, origins, args.profile_seconds, workroot))
-            out.append(py_spy_profile(proxy, origins, args.profile_seconds, workroot))
+            out.append(
+                py_spy_profile(proxy, origins, args.profile_seconds, workroot, args.py_spy_raw)
+            )
     finally:
         bench.stop_all()
         shutil.rmtree(workroot, ignore_errors=True)

@@ -321,8 +321,15 @@ def egressbox_program() -> str:
     return str(Path(sys.executable).parent / "egressbox")
 
 
-def start_egressbox(workdir: Path, origins: Origins, workers: int = 1) -> Proxy:
-    """`egressbox serve`; with workers > 1, `serve --workers N` (SO_REUSEPORT)."""
+def start_egressbox(
+    workdir: Path,
+    origins: Origins,
+    workers: int = 1,
+    env: dict[str, str] | None = None,
+    name: str | None = None,
+) -> Proxy:
+    """`egressbox serve`; with workers > 1, `serve --workers N` (SO_REUSEPORT); `env` and
+    `name` for a variant imported from another tree (--egressbox-pythonpath)."""
     policy = workdir / "policy.toml"
     policy.write_text(
         "[egress]\n"
@@ -335,8 +342,9 @@ def start_egressbox(workdir: Path, origins: Origins, workers: int = 1) -> Proxy:
     argv += ["--audit-log", str(workdir / "audit.jsonl"), "--quiet"]
     if workers > 1:
         argv += ["--workers", str(workers)]
-    proc, ports = start_with_ready_line(argv, workdir)
-    name = "egressbox" if workers == 1 else f"egressbox-w{workers}"
+    proc, ports = start_with_ready_line(argv, workdir, env)
+    if name is None:
+        name = "egressbox" if workers == 1 else f"egressbox-w{workers}"
     return Proxy(name, proc, ports["http"], ports["socks5"], workdir)
 
 
@@ -439,13 +447,13 @@ def start_floor(workdir: Path, origins: Origins) -> Proxy:
     return Proxy(FLOOR, proc, ports["http"], None, workdir, forwards=False)
 
 
-def egressbox_version() -> str:
+def egressbox_version(env: dict[str, str] | None = None) -> str:
     """Its version, whether its core ran compiled, and which tree it was imported from."""
     probe = (
         "import egressbox; print(egressbox.__version__, egressbox.compiled_core(),"
         " egressbox.__file__)"
     )
-    out = command_output([sys.executable, "-c", probe]).split()
+    out = command_output([sys.executable, "-c", probe], env=env).split()
     if len(out) < 3:
         return "?"
     version, compiled, where = out[0], out[1] == "True", Path(out[2]).resolve()
@@ -1290,6 +1298,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--pin-load", metavar="CPUS", help="taskset -c list: generator, origin")
     parser.add_argument("--pin-proxy", metavar="CPUS", help="taskset -c list: the proxies")
     parser.add_argument(
+        "--egressbox-pythonpath",
+        metavar="NAME=PATH",
+        action="append",
+        default=[],
+        help="also run egressbox imported from PATH as proxy NAME (repeatable; A/B of builds)",
+    )
+    parser.add_argument(
         "--from-json", metavar="FILE", help="only print the tables of an earlier --json run"
     )
     return parser.parse_args(argv)
@@ -1321,6 +1336,21 @@ def make_params(args: argparse.Namespace, hard: int) -> Params:
             f" CAP_SYS_RESOURCE, so a one-process proxy is capped at {params.idle_fits:,}"
         )
     return params
+
+
+def egressbox_variant(spec: str) -> ProxyKind:
+    """NAME=PATH: egressbox imported from PATH first (another build of the tree, for A/B)."""
+    name, _, path = spec.partition("=")
+    if not name or not path:
+        raise SystemExit(f"--egressbox-pythonpath wants NAME=PATH, got {spec!r}")
+    env = {**os.environ, "PYTHONPATH": str(Path(path).resolve())}
+    return ProxyKind(
+        name,
+        "egressbox",
+        partial(start_egressbox, env=env, name=name),
+        partial(egressbox_version, env=env),
+        f"as egressbox, imported from the tree {name} (PYTHONPATH)",
+    )
 
 
 def chosen_kinds(wanted: list[str]) -> list[ProxyKind]:
@@ -1355,6 +1385,7 @@ def main(argv: list[str]) -> int:
     if params.idle_note:
         log(params.idle_note)
     kinds = chosen_kinds(args.proxies.split(","))
+    kinds += [egressbox_variant(spec) for spec in args.egressbox_pythonpath]
     info = machine()
     versions = {kind.name: kind.version() for kind in kinds}
     results = Results()
