@@ -460,6 +460,8 @@ class _Parser:
 
     def upstream(self, egress: Mapping[str, Any]) -> UpstreamProxy | None:
         """[egress] upstream = "http://HOST:PORT" | "socks5://HOST:PORT", upstream_target."""
+        if "upstream" not in egress and "upstream_target" not in egress:
+            return None  # the common case: the upstream parser (and ipaddress) stays unloaded
         from egressbox.protocols.upstream import UpstreamTarget, parse_upstream
 
         url, target = egress.get("upstream"), egress.get("upstream_target", "address")

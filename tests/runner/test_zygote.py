@@ -9,7 +9,6 @@ case, which launches nothing, runs in the pytest process. Every wait is bounded.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import select
 import subprocess
@@ -142,9 +141,13 @@ def test_a_plan_crosses_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     plan = prepare(options_for(["/bin/true"], policy=None), host_facts()).plan
     data = zygote.dumps(([zygote.REPORT, 2], plan))
     assert data[:1] == b"M"  # marshal: nothing to import on either side
-    assert zygote.loads(data) == ([zygote.REPORT, 2], plan)
+    targets, crossed = zygote.loads(data)
+    assert (targets, crossed) == ([zygote.REPORT, 2], plan)
+    # Records cross as themselves (a NamedTuple equals a plain tuple of its values).
+    assert type(crossed) is type(plan)
+    assert plan.world is None or type(crossed.world) is type(plan.world)
     # What marshal cannot carry (an enum member) crosses as a pickle, equal all the same.
-    odd = dataclasses.replace(plan, mechanisms=(Mechanism.SECCOMP,))
+    odd = plan._replace(mechanisms=(Mechanism.SECCOMP,))
     data = zygote.dumps(odd)
     assert data[:1] == b"P"
     assert zygote.loads(data) == odd
@@ -153,6 +156,6 @@ def test_a_plan_crosses_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_a_plan_names_only_egressbox_classes() -> None:
     import marshal
 
-    forged = b"M" + marshal.dumps(("\0dataclass", "os", "system", {"command": "true"}))
+    forged = b"M" + marshal.dumps(("\0record", "os", "system", {"command": "true"}))
     with pytest.raises(ValueError, match="outside egressbox"):
         zygote.loads(forged)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class EnvPolicy(StrEnum):
@@ -62,8 +62,7 @@ TEMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
 UPSTREAM_SECRETS = ("EGRESSBOX_UPSTREAM_USER", "EGRESSBOX_UPSTREAM_PASSWORD")
 
 
-@dataclass(frozen=True)
-class ProxyEndpoints:
+class ProxyEndpoints(NamedTuple):
     """Where the child reaches the proxy. A port may be a "{http}"/"{socks}"
     template, filled in by the launcher once it has bound the listeners."""
 
@@ -85,8 +84,7 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-@dataclass(frozen=True)
-class Scratch:
+class Scratch(NamedTuple):
     """Directories inside the first writable root for temp files and caches."""
 
     tmp: str

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # `#!` lines longer than this are not followed (Linux itself stops at 256).
 MAX_SHEBANG = 256
@@ -23,8 +23,7 @@ class CommandNotFoundError(OSError):
     pass
 
 
-@dataclass(frozen=True)
-class Executable:
+class Executable(NamedTuple):
     """A command resolved on the child's PATH, and what it needs to run."""
 
     path: str  # what execve() gets (absolute)

@@ -23,13 +23,14 @@ command was not found.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import socket
 import sys
-from dataclasses import asdict, dataclass, field
-from typing import Any, NoReturn
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, NamedTuple, NoReturn
 
 from egressbox.confine import netns
 from egressbox.confine.plan import Mechanism, WorldSpec
@@ -52,8 +53,7 @@ class LaunchError(Exception):
     """Confinement could not be applied; the command must not run."""
 
 
-@dataclass(frozen=True)
-class LaunchPlan:
+class LaunchPlan(NamedTuple):
     """Everything the launcher applies, decided before the fork (runner/assemble.py)."""
 
     argv: tuple[str, ...]
@@ -76,7 +76,7 @@ class LaunchPlan:
     rlimit_nofile: int | None = None
     rlimit_as: int | None = None
     best_effort: bool = True
-    env_ports: dict[str, str] = field(default_factory=dict)  # NAME -> template with {http}/{socks}
+    env_ports: Mapping[str, str] = MappingProxyType({})  # NAME -> template with {http}/{socks}
     # A seccomp filter compiled (and cached) by the parent: loaded with one
     # prctl, so the launcher never imports pyseccomp. Empty: build it here.
     seccomp_program: bytes = b""
@@ -96,9 +96,6 @@ class LaunchPlan:
 
     def has(self, mechanism: Mechanism) -> bool:
         return mechanism.value in self.mechanisms
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def launcher_main(plan: LaunchPlan, chan_fd: int) -> NoReturn:
@@ -433,10 +430,10 @@ def _mounts(plan: LaunchPlan) -> None:
         raise LaunchError("a mount namespace without a world to build")
     spec = plan.world
     if not plan.has(Mechanism.PID_NAMESPACE) and spec.new_proc:
-        spec = dataclasses.replace(spec, new_proc=False)
+        spec = spec._replace(new_proc=False)
     if spec.files and plan.capture and not _PROGRESS.captured:
         # Capture failed: the view's /etc stays the host's, as without capture.
-        spec = dataclasses.replace(spec, files=())
+        spec = spec._replace(files=())
     try:
         report = world.apply_world(spec, _PROGRESS.etc_hidden)
     except OSError as exc:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
+from typing import NamedTuple
 
 
 class Profile(StrEnum):
@@ -91,12 +92,11 @@ ADMIT_HINT: dict[Mechanism, str] = {
 }
 
 
-@dataclass(frozen=True)
-class HostFacts:
+class HostFacts(NamedTuple):
     """What the host supports (from confine.probe), reduced to what planning needs."""
 
     available: frozenset[str]  # probe mechanism names whose status is "available"
-    status: Mapping[str, str] = field(default_factory=dict)  # name -> availability text
+    status: Mapping[str, str] = MappingProxyType({})  # name -> availability text
     landlock_abi: int = 0
     euid: int = 0
 
@@ -114,8 +114,7 @@ REQUIREMENT_PROFILE = "profile"
 REQUIREMENT_FALLBACK = "fallback"
 
 
-@dataclass(frozen=True)
-class Refusal:
+class Refusal(NamedTuple):
     """A profile's required mechanism is missing: run must not start the command.
 
     `selector_honored` is False when the profile requires the mechanism outright, so no
@@ -326,8 +325,7 @@ def is_under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-@dataclass(frozen=True)
-class FsPlan:
+class FsPlan(NamedTuple):
     """The filesystem grants of a plan, as Landlock and the world apply them."""
 
     read: tuple[str, ...]  # read + execute
@@ -442,8 +440,7 @@ CAPTURE_HOSTS = """127.0.0.1\tlocalhost
 CAPTURE_FILES = (("/etc/resolv.conf", CAPTURE_RESOLV_CONF), ("/etc/hosts", CAPTURE_HOSTS))
 
 
-@dataclass(frozen=True)
-class WorldSpec:
+class WorldSpec(NamedTuple):
     """What exists for the child. Every path must be absolute."""
 
     # (path, writable): system runtime, presets, roots, the command's executable and venv.

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class CacheMode(StrEnum):
@@ -32,8 +32,7 @@ class CacheMode(StrEnum):
     REAL = "real"  # the tools' own caches on the host, read+write
 
 
-@dataclass(frozen=True)
-class ToolchainCache:
+class ToolchainCache(NamedTuple):
     """One cache variable, the tool that reads it, and where its cache is by default."""
 
     variable: str
@@ -118,8 +117,7 @@ NEVER_REAL = frozenset(c.variable for c in CACHES if not c.real_grants)
 MISSING = "it does not exist yet"
 
 
-@dataclass(frozen=True)
-class CacheRoot:
+class CacheRoot(NamedTuple):
     """A cache location outside the run's grants: a refusal under it is a toolchain gap."""
 
     variable: str
@@ -128,8 +126,7 @@ class CacheRoot:
     user_set: bool  # the caller's value (else the tool's default location)
 
 
-@dataclass(frozen=True)
-class CachePlan:
+class CachePlan(NamedTuple):
     """What a run does with the toolchain caches."""
 
     env: dict[str, str]  # variables to set in the child's environment

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -73,7 +72,7 @@ def run_options_sync(
     launched = spawn(prepared, capture_output=capture_output)
     if policy_loader is not None:
         try:
-            options = dataclasses.replace(options, policy=policy_loader())
+            options = options._replace(policy=policy_loader())
         except BaseException:
             launched.abandon()
             raise

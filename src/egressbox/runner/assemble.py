@@ -8,13 +8,12 @@ host (paths, the command on PATH); nothing is created or changed.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from egressbox.confine import netns
 from egressbox.confine.env import (
@@ -100,8 +99,7 @@ class Prepared:
     read_only_workspaces: tuple[str, ...] = ()  # --read-only-workspace, for refusal hints
 
 
-@dataclass(frozen=True)
-class _Roots:
+class _Roots(NamedTuple):
     """The roots of a run as real paths, before the filesystem plan."""
 
     layout: Layout
@@ -141,8 +139,7 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         raise
 
 
-@dataclass(frozen=True)
-class _Start:
+class _Start(NamedTuple):
     """What prepare() decided before it made anything for the run."""
 
     base: dict[str, str]
@@ -203,7 +200,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         capture_off=capture_off,
     )
     if Mechanism.SECCOMP in chosen:
-        plan = dataclasses.replace(plan, seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
+        plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
     report, network = enforcement_report(profile, chosen, capture_off=capture_off)
     homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
     prepared = Prepared(plan, report, listeners, network, warnings, homes)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from egressbox.confine.env import (
     EnvPolicy,
@@ -58,8 +59,7 @@ class RunRefusedError(EgressboxError):
         super().__init__("; ".join(self.messages))
 
 
-@dataclass(frozen=True)
-class RunOptions:
+class RunOptions(NamedTuple):
     """What a confined run is asked to do (options_for() makes one from keywords)."""
 
     argv: tuple[str, ...]
@@ -68,7 +68,7 @@ class RunOptions:
     write_roots: tuple[str, ...] = ()
     read_roots: tuple[str, ...] = ()
     env_policy: EnvPolicy = EnvPolicy.INHERITED
-    grants: Mapping[str, str | None] = field(default_factory=dict)
+    grants: Mapping[str, str | None] = MappingProxyType({})
     allow_loopback: bool = False
     pass_fds: tuple[int, ...] = ()
     cwd: str | None = None
@@ -113,8 +113,7 @@ class RunOptions:
     ask_timeout: float | None = None  # seconds; None: approval.DEFAULT_TIMEOUT
 
 
-@dataclass(frozen=True)
-class MechanismReport:
+class MechanismReport(NamedTuple):
     """One row of a run's enforcement report: a mechanism and how fully it held."""
 
     mechanism: str
@@ -122,8 +121,7 @@ class MechanismReport:
     detail: str
 
 
-@dataclass(frozen=True)
-class RootReport:
+class RootReport(NamedTuple):
     """One granted root and its kind, as the launcher applies it."""
 
     kind: str  # workspace | read | process_read | process_write | executable

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from dataclasses import dataclass
+from typing import NamedTuple
 
 PROJECT_POLICY = "egressbox.toml"
 GIT = ".git"
@@ -36,8 +36,7 @@ TRUST_FILE = "trusted-policies.json"
 MAX_TRUSTED = 256  # policy files remembered; the oldest go first
 
 
-@dataclass(frozen=True)
-class ProjectRoot:
+class ProjectRoot(NamedTuple):
     """The default workspace and why it was chosen."""
 
     path: str
@@ -131,8 +130,7 @@ def _gitfile_target(directory: str, dotgit: str) -> str | None:
 # -- a workspace's git directories --------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GitGrants:
+class GitGrants(NamedTuple):
     """What a workspace's repository needs outside it, and what stays host-trusted."""
 
     write: tuple[tuple[str, str], ...] = ()  # (path, why)

@@ -4,7 +4,6 @@ what it really applied (the report it sends just before exec)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import socket
@@ -216,13 +215,13 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
     parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     # What the launcher applied arrives on this pipe just before exec, which closes it.
     report_r, report_w = os.pipe()
-    plan = dataclasses.replace(prepared.plan, report_fd=report_w)
+    plan = prepared.plan._replace(report_fd=report_w)
     pipes = (os.pipe(), os.pipe()) if capture_output else None
     # Not captured: the command's stderr still passes through us (refusal records). It never
     # gets our terminal: a new pty takes the place of each of our std fds that is one.
     tee = open_stdio(capture_output=capture_output)
     if isinstance(tee, TerminalRelay):
-        plan = dataclasses.replace(plan, controlling_tty=True)
+        plan = plan._replace(controlling_tty=True)
     try:
         # A zygote the command line forked early has imported the launcher's modules already.
         pid = zygote.launch(plan, child_chan, _child_fds(pipes, tee)) or os.fork()

@@ -20,6 +20,7 @@ import contextlib
 import os
 import signal
 import socket
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class Zygote:
 def start() -> None:
     """Fork the zygote now (at most one waits at a time).
 
-    The launcher module (with the plan's types, dataclasses and sockets) is imported first:
+    The launcher module (with the plan's types and sockets) is imported first:
     both sides need it, so it is imported once, before the fork.
     """
     if _pending:
@@ -174,8 +175,6 @@ def _walk_etc_while_waiting(chan: socket.socket) -> None:
 def _receive(chan: socket.socket) -> tuple[LaunchPlan, int] | None:
     """The plan and the launcher's channel, the std fds dup2()ed and the report pipe
     close-on-exec; None when the parent closed our channel instead."""
-    import dataclasses
-
     data, fds, flags, _ = socket.recv_fds(chan, MAX_PLAN, MAX_FDS)
     if not data:
         return None
@@ -195,7 +194,7 @@ def _receive(chan: socket.socket) -> tuple[LaunchPlan, int] | None:
         else:
             os.dup2(fd, target)
             os.close(fd)
-    replaced: LaunchPlan = dataclasses.replace(plan, report_fd=report)
+    replaced: LaunchPlan = plan._replace(report_fd=report)
     return replaced, launcher_chan
 
 
@@ -214,12 +213,13 @@ def _lift(fd: int) -> int:
 # -- the plan on the wire ------------------------------------------------------------------
 
 # marshal is built in (nothing to import on either side, unlike pickle: ~1.5 ms), and the plan
-# is made of what it carries: strings, numbers, bytes, tuples, lists, dicts and dataclasses,
-# sent as (_DATACLASS, module, name, fields). Anything else (an enum member) makes the plan go
+# is made of what it carries: strings, numbers, bytes, tuples, lists, dicts (and read-only
+# mappings, sent as dicts) and records (NamedTuples and dataclasses), sent as
+# (_RECORD, module, name, fields). Anything else (an enum member) makes the plan go
 # as a pickle instead. Either way it comes from our own parent, over a socket pair made
 # before the fork.
 _MARSHAL, _PICKLE = b"M", b"P"
-_DATACLASS = "\0dataclass"  # no path, argument or environment string can hold a NUL
+_RECORD = "\0record"  # no path, argument or environment string can hold a NUL
 
 
 def dumps(value: Any) -> bytes:
@@ -246,25 +246,29 @@ def loads(data: bytes) -> Any:
 
 
 def _flat(value: Any) -> Any:
-    dataclass_fields = getattr(type(value), "__dataclass_fields__", None)
+    kind = type(value)
+    names = getattr(kind, "_fields", None)
+    if names is not None and isinstance(value, tuple):  # a NamedTuple: by name, as it is built
+        flat = {name: _flat(item) for name, item in zip(names, value, strict=True)}
+        return (_RECORD, kind.__module__, kind.__qualname__, flat)
+    dataclass_fields = getattr(kind, "__dataclass_fields__", None)
     if dataclass_fields is not None:
         import dataclasses
 
         fields = dataclasses.fields(value)
         if len(fields) != len(dataclass_fields) or not all(f.init for f in fields):
             raise TypeError("a dataclass with fields its constructor does not take")
-        kind = type(value)
         flat = {f.name: _flat(getattr(value, f.name)) for f in fields}
-        return (_DATACLASS, kind.__module__, kind.__qualname__, flat)
-    if type(value) in (tuple, list):
-        return type(value)(_flat(item) for item in value)
-    if type(value) is dict:
+        return (_RECORD, kind.__module__, kind.__qualname__, flat)
+    if kind in (tuple, list):
+        return kind(_flat(item) for item in value)
+    if kind is dict or kind is MappingProxyType:
         return {key: _flat(item) for key, item in value.items()}
     return value  # marshal takes it, or says it cannot
 
 
 def _built(value: Any) -> Any:
-    if type(value) is tuple and value[:1] == (_DATACLASS,):
+    if type(value) is tuple and value[:1] == (_RECORD,):
         _, module, name, flat = value
         if not module.startswith("egressbox."):
             raise ValueError(f"the plan names a class outside egressbox: {module}")
