@@ -6,7 +6,7 @@ defaults and the documentation of why each number is what it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # SIGINT/SIGTERM: how long open tunnels may finish before they are aborted
 # (DESIGN §4: 5 s, long enough for a request in flight, short enough for CI).
@@ -38,8 +38,7 @@ MAX_CONNECTIONS = 4096
 MAX_HEAD_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
+class Limits(NamedTuple):
     """[limits]: timeouts and bounds of the proxy."""
 
     drain_timeout: float = DRAIN_TIMEOUT

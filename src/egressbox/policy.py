@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from egressbox import limits as lim
 from egressbox.errors import HostError, PolicyError
@@ -42,8 +42,7 @@ class TlsNameCheck(StrEnum):
     OFF = "off"
 
 
-@dataclass(frozen=True, slots=True)
-class DnsSettings:
+class DnsSettings(NamedTuple):
     """[dns]: the proxy's resolver."""
 
     nameservers: tuple[tuple[IPAddress, int], ...] = ()
@@ -74,8 +73,7 @@ MIN_RLIMIT_AS = 64 * 1024 * 1024
 _GRANT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessSettings:
+class ProcessSettings(NamedTuple):
     """[process]; None: not set (run's own default applies)."""
 
     profile: str | None = None
@@ -86,8 +84,7 @@ class ProcessSettings:
     max_memory: int | None = None  # bytes of data per process (RLIMIT_DATA)
 
 
-@dataclass(frozen=True, slots=True)
-class FilesystemSettings:
+class FilesystemSettings(NamedTuple):
     """[filesystem]; paths as written (`~` is expanded by run against the caller's HOME)."""
 
     read_roots: tuple[str, ...] = ()
@@ -108,21 +105,19 @@ class FilesystemSettings:
     toolchain_cache: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class EnvSettings:
+class EnvSettings(NamedTuple):
     """[env]; grant holds (NAME, VALUE) pairs, VALUE None: pass the caller's value."""
 
     policy: str | None = None
     grant: tuple[tuple[str, str | None], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class RunSettings:
+class RunSettings(NamedTuple):
     """The tables `egressbox run` needs before its fork (see load_run_settings)."""
 
-    process: ProcessSettings = field(default_factory=ProcessSettings)
-    filesystem: FilesystemSettings = field(default_factory=FilesystemSettings)
-    env: EnvSettings = field(default_factory=EnvSettings)
+    process: ProcessSettings = ProcessSettings()
+    filesystem: FilesystemSettings = FilesystemSettings()
+    env: EnvSettings = EnvSettings()
 
 
 @dataclass(frozen=True, eq=False)

@@ -94,9 +94,7 @@ def share_limits(policy: Policy, count: int) -> Policy:
         for f in dataclasses.fields(policy)
         if f.name.startswith("_") and f.default_factory is not dataclasses.MISSING
     }
-    return dataclasses.replace(
-        policy, limits=dataclasses.replace(limits, max_connections=per_worker), **fresh
-    )
+    return dataclasses.replace(policy, limits=limits._replace(max_connections=per_worker), **fresh)
 
 
 # -- listeners ---------------------------------------------------------------------------

@@ -112,7 +112,9 @@ def launcher_main(plan: LaunchPlan, chan_fd: int) -> NoReturn:
     os._exit(code)
 
 
-@dataclass
+# Mutable state of one run, compared by identity: no generated __eq__/__repr__ (each one
+# more exec at import, on the start-up path).
+@dataclass(eq=False, repr=False)
 class _Progress:
     """How far the launcher got, and what it applied."""
 

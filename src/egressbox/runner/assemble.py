@@ -69,7 +69,9 @@ from egressbox.runner.workspace import (
 )
 
 
-@dataclass
+# Mutable state of one run, compared by identity: no generated __eq__/__repr__ (each one
+# more exec at import, on the start-up path).
+@dataclass(eq=False, repr=False)
 class Prepared:
     """Everything decided before the fork."""
 

@@ -68,7 +68,9 @@ PROXY_ROLES = ("http", "socks")
 CAPTURE_ROLES = ("capture", "dns_udp", "dns_tcp")
 
 
-@dataclass
+# Mutable state of one run, compared by identity: no generated __eq__/__repr__ (each one
+# more exec at import, on the start-up path).
+@dataclass(eq=False, repr=False)
 class Launched:
     """A launcher that is running, and the sockets of its child's namespace.
 

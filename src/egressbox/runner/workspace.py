@@ -22,7 +22,9 @@ READ_ONLY_SCRATCH = "/tmp/egressbox-scratch"
 ANNOUNCE = "sandbox active; "
 
 
-@dataclass
+# Mutable state of one run, compared by identity: no generated __eq__/__repr__ (each one
+# more exec at import, on the start-up path).
+@dataclass(eq=False, repr=False)
 class Layout:
     """The workspace roots and what they bring with them."""
 
