@@ -489,6 +489,39 @@ def test_pipes_are_lent_only_while_busy(run: Runner) -> None:
 
 
 @pytest.mark.skipif(not SPLICE_AVAILABLE, reason="os.splice needs Linux")
+def test_a_short_read_ends_a_wake_up_without_a_failing_splice(
+    run: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Readiness is level-triggered: after a read that did not fill the pipe, a
+    # splice that only fails with EAGAIN is a system call for nothing.
+    message = os.urandom(4096)
+    failed: list[int] = []
+    real = os.splice
+
+    def counting(src: int, dst: int, count: int, *args: int, **kwargs: int) -> int:
+        try:
+            return real(src, dst, count, *args, **kwargs)
+        except BlockingIOError:
+            failed.append(src)
+            raise
+
+    monkeypatch.setattr(os, "splice", counting)
+
+    async def scenario() -> None:
+        async with harness("splice") as h:
+            for _ in range(20):
+                h.client_w.write(message)
+                assert await h.upstream_r.readexactly(len(message)) == message
+                h.upstream_w.write(message)
+                assert await h.client_r.readexactly(len(message)) == message
+            failed_at_start = 2  # each flow's first read, before any byte came
+            assert len(failed) <= failed_at_start
+            assert h.pool.open_pipes - h.pool.idle_pipes == 0  # and no pipe kept lent
+
+    run(scenario)
+
+
+@pytest.mark.skipif(not SPLICE_AVAILABLE, reason="os.splice needs Linux")
 def test_tunnels_share_a_one_pipe_pool(run: Runner) -> None:
     payloads = [os.urandom(PAYLOAD // 2) for _ in range(4)]
 

@@ -31,6 +31,28 @@ dearer small messages. A switch costs 31-51 us of CPU (break-even 300-600 KiB).
 Splice borrows pipes (F_SETPIPE_SZ 1 MiB) from a bounded PipePool only while
 a direction has bytes to move; with none free it copies one chunk at a time.
 Where splice is unavailable (not Linux), tunnels stay on the Protocol path.
+
+One bulk tunnel in splice mode (benchmarks/proxy.py's one-tunnel test, 1 GiB
+in 4 MiB writes; system calls counted with `perf stat -e syscalls:*` and
+`perf record` of the splice tracepoints on the proxy process): 2.5 splices
+per MiB, nearly every read a full 1 MiB pipe; 0.3 loop wake-ups and 0.4-0.7
+epoll_ctl per MiB (a flow blocked on its destination swaps its reader for a
+writer and back); 0.2 splices per MiB fail with EAGAIN, nearly all on the
+destination (the sink reads slower than the relay sends). The proxy's 0.2-0.3
+CPU s/GiB (0.41 on a quiet machine) is ~90% kernel: splice into the upstream
+socket runs TCP transmit and the loopback receive of the sink's socket (62%
+of `perf record` samples; BBR's pacing timer, tcp_pace_kick, 14%), splice from
+the client 16%; Python is 0.02 s/GiB. A flow stops after a read that did not
+fill the pipe instead of making a splice that can only fail (16 -> 2 failing
+reads per GiB in bulk, no measurable change in its MB/s or CPU; splice mode's
+1 KiB round trip 60-65 -> 41-52 us of relay CPU, 7,100-7,500 -> 7,800-10,000
+round trips/s, benchmarks/relay.py's ping-pong, interleaved). Measured
+and not kept: SO_SNDBUF 8 MiB on the upstream (failing splices 0.24 -> 0.06-0.13
+per MiB, but 0.5-1.0 wake-ups per MiB instead of 0.3-0.4 and no less CPU),
+SO_RCVLOWAT 256 KiB (stalls: bytes short of the mark are never reported),
+longer splices (the kernel caps one splice at the pipe's free slots, 1 MiB),
+SPLICE_F_MORE (no measurable change; splice already marks all but a call's
+last chunk MSG_MORE).
 """
 
 from __future__ import annotations
@@ -85,7 +107,8 @@ MAX_PIPES = 64
 # Fill/drain rounds per readiness callback in splice mode. 1, 4 and 16
 # measured alike (0.17-0.22 CPU s/GB, benchmarks/relay.py); 4 caps one
 # callback at 4 MiB (~2 ms) before other tunnels get a turn. Readiness is
-# level-triggered, so unfinished work is picked up on the next loop turn.
+# level-triggered, so unfinished work is picked up on the next loop turn, and a
+# round that read less than a pipe ends the callback (see _Splicer.pump).
 SPLICE_ROUNDS = 4
 # Transport write buffer flow control: pause reading the other side above
 # HIGH, resume below LOW. 64 KiB, 256 KiB and 1 MiB measured alike (0.25-0.37
@@ -335,6 +358,7 @@ class _Flow:
         "done",
         "dst",
         "eof",
+        "full",
         "head",
         "pipe",
         "queued",
@@ -352,6 +376,7 @@ class _Flow:
         self.pipe: _Pipe | None = None
         self.queued = 0  # bytes in the pipe
         self.eof = False  # src sent EOF
+        self.full = False  # the last read took all it could: src may hold more
         self.done = False  # EOF passed on to dst
         self.reading = False  # reader registered on src
         self.writing = False  # writer registered on dst
@@ -403,6 +428,12 @@ class _Splicer:
             for _ in range(SPLICE_ROUNDS):
                 if not self._fill(flow) or not self._drain(flow):
                     return
+                if not flow.full:
+                    # A short read emptied src: stop without the splice that would only
+                    # fail with EAGAIN; the pipe goes back (it is empty) and readiness,
+                    # level-triggered, calls again if more came in meanwhile.
+                    self._give_back(flow)
+                    break
             self._watch(flow, read=True, write=False)  # more next turn (level-triggered)
         except _SideError as err:
             self.tunnel._finish(err.reason, force=True)
@@ -458,6 +489,10 @@ class _Splicer:
         if got == 0:
             flow.eof = True
         flow.queued = got
+        # An empty pipe takes at most its size in one splice (the kernel caps the
+        # length at its free slots), so less means src was emptied, or that small
+        # segments used up the slots first: then readiness calls again at once.
+        flow.full = got >= pipe.size
         return True
 
     def _copy_in(self, flow: _Flow) -> bool:
@@ -469,6 +504,7 @@ class _Splicer:
         except OSError as exc:
             raise _SideError(flow.up, exc) from exc
         flow.eof = not data
+        flow.full = len(data) >= MAX_READ
         flow.head = data
         self.tunnel._count(flow.up, len(data))
         return True
