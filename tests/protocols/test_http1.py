@@ -1999,6 +1999,32 @@ def test_every_listed_request_is_read_alike_at_every_limit(raw: bytes) -> None:
         same_every_way(data, limit, len(raw) // 2)
 
 
+def test_every_name_asked_of_an_index_is_indexed() -> None:
+    # The field index holds only the names in _INDEXED: a lookup of any other name
+    # there would find nothing, whatever the head holds.
+    source = Path(http1.__file__).with_suffix(".py").read_text(encoding="utf-8")
+    asked = set(re.findall(r"index(?:\(fields\))?\.get\(\s*\"([^\"]+)\"", source))
+    assert asked
+    assert asked <= http1._INDEXED, asked - http1._INDEXED
+
+
+def test_a_head_gives_every_value_of_any_name() -> None:
+    head = accept(req(GET, "X-One: 1", "x-one: 2", "Accept: */*", "Connection: close"))
+    assert head.header("X-ONE") == ["1", "2"]
+    assert head.header("accept") == ["*/*"]
+    assert head.header("connection") == ["close"]
+    assert head.header("missing") == []
+    head.header("x-one").append("3")  # a copy: the head is unchanged
+    assert head.header("x-one") == ["1", "2"]
+
+
+def test_a_head_is_still_frozen() -> None:
+    head = accept(req(GET))
+    with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
+        head.method = "POST"  # type: ignore[misc]
+    assert hash(head) == hash(accept(req(GET)))
+
+
 def count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bytes]:
     """Record the bytes that the module function `name` reads each time (it still runs)."""
     calls: list[bytes] = []

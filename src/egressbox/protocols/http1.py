@@ -14,12 +14,14 @@ comes back. Four machines and a few builders:
 - `forward_head`, `connect_established`, `error_reply`: bytes to send.
 
 One grammar, one path, whatever the chunking: `_LineBuffer` frames the bytes and
-only looks for where lines and heads end (refusing a bare CR or LF, and a line or
-head over the limit, as soon as it sees them); a head's start line is read as soon
-as it is complete (`_request_line`, `_status_line`), its field lines once the
-empty line has come (`_field_lines`, also for a chunked body's trailers). Their
-regular expressions are the grammar; the reason given for a refusal is worked
-out only after a line was refused.
+only looks for where lines and heads end (refusing a bare CR or LF in a line or head
+not yet complete, and a line or head over the limit, as soon as it sees them); a
+head's start line is read as soon as it is complete (`_request_line`, `_status_line`),
+its field lines once the empty line has come (`_field_lines`, also for a chunked
+body's trailers). Their regular expressions are the grammar, and admit no CR or LF but
+the CRLF that ends a line: a bare one in a complete line or head is refused by them,
+in the same feed. The reason given for a refusal is worked out only after a line was
+refused (`_bare_fault` first: a bare CR or LF is named as such).
 
 Why our own strict parser instead of h11: a proxy sits between two parsers,
 and every message that they could read differently (CL.TE, TE.TE, obs-fold,
@@ -46,7 +48,7 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from egressbox import hosts, limits
 from egressbox.errors import EgressboxError, HostError
@@ -96,11 +98,15 @@ _PROTOCOL_RE = re.compile(rf"{_TCHAR}+(?:/{_TCHAR}+)?")
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 # request-line = method SP request-target SP HTTP-version (RFC 9112 §3), single spaces;
 # the target is visible ASCII, and its form (authority or absolute) is read by
-# `_interpret_target`. Only HTTP/1.1 and 1.0.
-_REQUEST_LINE_RE = re.compile(rf"({_TCHAR}+) ([!-~]+) (HTTP/1\.[01])")
+# `_interpret_target`. Only HTTP/1.1 and 1.0. (`++`, possessive: a repeat here never
+# gives back a character to what follows it, which no character of its set can start;
+# the engine then keeps no state to backtrack with.)
+_REQUEST_LINE_RE = re.compile(rf"{_TCHAR}++ [!-~]++ HTTP/1\.[01]")
 # field-line = field-name ":" OWS field-value OWS (RFC 9112 §5): no whitespace before
-# the colon, none at the start (obs-fold), no control character but HTAB in the value.
-_FIELD_LINE = rf"({_TCHAR}+):([^\x00-\x08\x0a-\x1f\x7f]*)"
+# the colon, none at the start (obs-fold), no control character but HTAB in the value
+# (written as the characters allowed: in a Latin-1 text every one is at most \xff, and
+# the regex engine tests this set faster than its complement).
+_FIELD_LINE = rf"({_TCHAR}++):([\t\x20-\x7e\x80-\xff]*+)"
 _FIELD_LINE_RE = re.compile(_FIELD_LINE)
 # Every field line of a block at once: a match can only start at a line's start and
 # ends at its CRLF, so a block is valid when there are as many matches as lines.
@@ -108,17 +114,17 @@ _FIELD_LINES_RE = re.compile(rf"(?m)^{_FIELD_LINE}\r\n")
 # status-line; a missing SP before an empty reason is tolerated (seen in the wild).
 _STATUS_LINE_RE = re.compile(r"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
 _VERSION_RE = re.compile(r"HTTP/[0-9]+(?:\.[0-9]+)?")
-_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*+://")
 _DIGITS_RE = re.compile(r"[0-9]+")
-_PATH_START_RE = re.compile(r"[/?]")
 # chunk-size, then optional extensions: printable, since we drop them anyway.
 _CHUNK_LINE_RE = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
 _REASON_CODE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
-# Framing: a CR not followed by LF, or an LF not after a CR.
+# Framing: a CR not followed by LF, or an LF not after a CR (in bytes, and in a text).
 _BARE_CR_OR_LF_RE = re.compile(rb"\r(?!\n)|(?<!\r)\n")
-_CR = 0x0D
-_LF = 0x0A
-_OWS = " \t"
+_BARE_CR_OR_LF_TEXT_RE = re.compile(r"\r(?!\n)|(?<!\r)\n")
+_CR: Final = 0x0D
+_LF: Final = 0x0A
+_OWS: Final = " \t"
 
 # Connection-level fields (RFC 9110 §7.6.1): never forwarded to the next hop.
 # Transfer-Encoding is among them because we re-emit our own framing field.
@@ -214,7 +220,7 @@ class Authority(NamedTuple):
 Fields = tuple[tuple[str, str], ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class RequestHead:
     """A validated request head.
 
@@ -241,6 +247,37 @@ class RequestHead:
     connection_tokens: frozenset[str] = field(repr=False)
     upgrade: tuple[str, ...] = ()
 
+    def __init__(  # noqa: PLR0917 - the dataclass's own signature, fields in order
+        self,
+        method: str,
+        version: str,
+        kind: RequestKind,
+        authority: Authority,
+        body: BodyFraming,
+        expect_continue: bool,
+        keep_alive: bool,
+        target: str,
+        origin_target: str | None,
+        headers: Fields,
+        connection_tokens: frozenset[str],
+        upgrade: tuple[str, ...] = (),
+    ) -> None:
+        # The generated __init__ of a frozen dataclass is interpreted Python that calls
+        # object.__setattr__ per field (~2 us a head); compiled, each call below is one
+        # store into the object. Still frozen: assigning a field later raises.
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "version", version)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "authority", authority)
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "expect_continue", expect_continue)
+        object.__setattr__(self, "keep_alive", keep_alive)
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "origin_target", origin_target)
+        object.__setattr__(self, "headers", headers)
+        object.__setattr__(self, "connection_tokens", connection_tokens)
+        object.__setattr__(self, "upgrade", upgrade)
+
     @property
     def host(self) -> str:
         return self.authority.host
@@ -254,8 +291,24 @@ class RequestHead:
         return _values(self.headers, name)
 
 
-# Every value of each lower-cased field name, in order. Read only: the lists are shared.
+# Every value of each lower-cased field name in _INDEXED, in order. Read only: the
+# lists are shared.
 _Index = dict[str, list[str]]
+# The names that this module's checks and builders ask an index for. Only these are
+# indexed: most fields of a head are none of them (User-Agent, Accept, Cookie ...),
+# and `_values` finds any other name by a scan of the fields.
+_INDEXED: Final = frozenset(
+    {
+        "connection",
+        "content-length",
+        "expect",
+        "host",
+        "proxy-authorization",
+        "proxy-connection",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
 # What a name absent from an index gives; never mutated.
 _NONE: list[str] = []
 # The field index of the head looked at last: a head's checks ask for seven or
@@ -272,6 +325,8 @@ def _index(fields: Fields) -> _Index:
     index: _Index = {}
     for name, value in fields:
         key = name.lower()
+        if key not in _INDEXED:
+            continue
         values = index.get(key)
         if values is None:
             index[key] = [value]
@@ -282,7 +337,10 @@ def _index(fields: Fields) -> _Index:
 
 
 def _values(fields: Fields, name: str) -> list[str]:
-    return list(_index(fields).get(name.lower(), _NONE))
+    key = name.lower()
+    if key in _INDEXED:
+        return list(_index(fields).get(key, _NONE))
+    return [value for other, value in fields if other.lower() == key]
 
 
 # -- framing: heads and lines ------------------------------------------------------------
@@ -293,7 +351,10 @@ class _LineBuffer:
 
     Framing only, no grammar: a head is the lines before the first empty line, a line
     ends in CRLF, and a CR not followed by LF or an LF without a CR is refused as soon
-    as it is seen. Every verdict depends only on the bytes seen, never on how they were
+    as it is seen: here while its line or head is incomplete, and in a complete `line`;
+    in a complete start line or head, which the grammar reads at once, by that grammar
+    (it admits no CR or LF but a line's CRLF, so checking here first would only repeat
+    its pass). Every verdict depends only on the bytes seen, never on how they were
     split across feeds, and a scan resumes where the last one stopped, so each byte is
     looked at a bounded number of times even when bytes arrive one at a time.
     """
@@ -301,8 +362,9 @@ class _LineBuffer:
     def __init__(self, fail: Fail) -> None:
         self._buf: bytes | bytearray = b""
         self._pos = 0
-        # Bytes after _pos known to hold no bare CR or LF and no terminator; never
-        # ending in a CR, whose LF may be the next byte.
+        # Bytes after _pos known to hold no bare CR or LF and no terminator (or after
+        # `first_line`, that line, whose grammar is read next); never ending in a CR,
+        # whose LF may be the next byte.
         self._scanned = 0
         self._fail = fail
 
@@ -333,7 +395,8 @@ class _LineBuffer:
 
         The head with its empty line must fit in `budget` bytes, else
         `too_long(first_line_ended)` is raised (a factory: the error is only built when
-        it is raised).
+        it is raised). A bare CR or LF in the head is left to `_field_lines`, which
+        every head is read by next.
         """
         buf, pos = self._buf, self._pos
         stop = min(len(buf), pos + budget)
@@ -346,8 +409,7 @@ class _LineBuffer:
         if found < 0:
             self._wait(start, stop, budget, too_long)
             return None
-        self._refuse_bare(start, found + 4)
-        head = bytes(buf[pos : found + 2])
+        head = self._bytes(pos, found + 2)
         self._advance(found + 4)
         return head
 
@@ -359,18 +421,25 @@ class _LineBuffer:
         end = self._line_end(budget, too_long)
         if end < 0:
             return None
-        line = bytes(self._buf[self._pos : end])
+        start = self._pos + self._scanned
+        buf = self._buf
+        if buf.find(b"\r", start, end) >= 0 or buf.find(b"\n", start, end) >= 0:
+            # Before the first CRLF, any CR or LF is a bare one: say which (none is the
+            # common case, which needs no count of CRs, LFs and CRLFs).
+            self._refuse_bare_among_crlf(start, end + 2)
+        line = self._bytes(self._pos, end)
         self._advance(end + 2)
         return line
 
     def first_line(self, budget: int, too_long: Callable[[bool], HttpError]) -> bytes | None:
         """Like `line`, but the line stays unread: a head's start line, to be read as
-        soon as it is complete. Call `head` next (its scan goes on after this line)."""
+        soon as it is complete. Call `head` next (its scan goes on after this line).
+        A bare CR or LF in the line is left to the start line's grammar, read next."""
         end = self._line_end(budget, too_long)
         if end < 0:
             return None
         self._scanned = end + 2 - self._pos
-        return bytes(self._buf[self._pos : end])
+        return self._bytes(self._pos, end)
 
     def _line_end(self, budget: int, too_long: Callable[[bool], HttpError]) -> int:
         """Where the next line's CRLF starts, or -1 until it has arrived."""
@@ -380,9 +449,13 @@ class _LineBuffer:
         found = buf.find(b"\r\n", start, stop)
         if found < 0:
             self._wait(start, stop, budget, too_long)
-        else:
-            self._refuse_bare(start, found + 2)
         return found
+
+    def _bytes(self, start: int, end: int) -> bytes:
+        buf = self._buf
+        if isinstance(buf, bytes):
+            return buf[start:end]  # compiled, a native slice (bytes(...) is a call)
+        return bytes(buf[start:end])
 
     def _wait(
         self, start: int, stop: int, budget: int, too_long: Callable[[bool], HttpError]
@@ -407,6 +480,12 @@ class _LineBuffer:
         buf = self._buf
         if buf.find(b"\n", start, end) < 0 and buf.find(b"\r", start, end) < 0:
             return  # not one CR or LF: the common case for bytes that arrive few at a time
+        self._refuse_bare_among_crlf(start, end)
+
+    def _refuse_bare_among_crlf(self, start: int, end: int) -> None:
+        """`_refuse_bare` for bytes that hold a CRLF (a line's end): the test for no CR
+        or LF at all could only fail there."""
+        buf = self._buf
         crlf = buf.count(b"\r\n", start, end)
         if buf.count(b"\r", start, end) == crlf and buf.count(b"\n", start, end) == crlf:
             return  # every CR and every LF is in a CRLF
@@ -419,8 +498,10 @@ class _LineBuffer:
     def take(self, limit: int | None = None) -> bytes:
         """Up to `limit` (default: all) of the unread bytes, as they are."""
         count = self.available if limit is None else min(limit, self.available)
-        data = bytes(self._buf[self._pos : self._pos + count])
-        self._advance(self._pos + count)
+        pos = self._pos
+        # Nothing after a head is the common case: no slice to make then.
+        data = self._bytes(pos, pos + count) if count else b""
+        self._advance(pos + count)
         return data
 
     def _advance(self, pos: int) -> None:
@@ -435,9 +516,15 @@ def _field_lines(text: str, start: int, fail: Fail, max_fields: int | None) -> F
     """The field lines of text[start:], each ending in CRLF, read by the one field-line
     grammar (`_FIELD_LINES_RE`): (name, value) in order, the value without surrounding
     OWS. More than `max_fields` is refused with 431 (counted in order: a bad line before
-    the limit is a 400, one after it a 431)."""
-    pairs = _FIELD_LINES_RE.findall(text, start)
-    if len(pairs) != text.count("\r\n", start):
+    the limit is a 400, one after it a 431), a bare CR or LF with 400 before anything.
+
+    A match holds one LF, at its end after a CR, and starts where the text does or
+    after an LF; the text ends in one (a head's lines do). So with as many matches as
+    LFs, the text is those matches and nothing else: no line skipped (its LF would be
+    outside them), no bare CR or LF (the framing left them to this grammar).
+    """
+    pairs: list[tuple[str, str]] = _FIELD_LINES_RE.findall(text, start)
+    if len(pairs) != text.count("\n", start):
         raise _field_block_error(text[start:], fail, max_fields)
     if max_fields is not None and len(pairs) > max_fields:
         raise _too_many_fields(max_fields)
@@ -451,14 +538,29 @@ def _too_many_fields(max_fields: int) -> HttpError:
 
 
 def _field_block_error(block: str, fail: Fail, max_fields: int | None) -> HttpError:
-    """Why a block that `_field_lines` refused is refused: the first line that is not a
-    field line, or the limit if it comes first. Classification only: it accepts nothing."""
+    """Why a block that `_field_lines` refused is refused: a bare CR or LF, else the
+    first line that is not a field line, or the limit if it comes first. Classification
+    only: it accepts nothing."""
+    bare = _bare_fault(block, fail)
+    if bare is not None:
+        return bare
     for index, line in enumerate(block.split("\r\n")[:-1]):
         if max_fields is not None and index >= max_fields:
             return _too_many_fields(max_fields)
         if not _FIELD_LINE_RE.fullmatch(line):
             return _field_line_error(line, fail)
     return fail("malformed header line")  # not reached: some line did not match
+
+
+def _bare_fault(text: str, fail: Fail) -> HttpError | None:
+    """The refusal of the first bare CR or LF in `text` (whole lines, or a line without
+    its CRLF), if there is one: the framing's own, in the same words."""
+    found = _BARE_CR_OR_LF_TEXT_RE.search(text)
+    if found is None:
+        return None
+    if text[found.start()] == "\n":
+        return fail("a line ends in a bare LF; lines must end in CRLF")
+    return fail("a bare CR inside a line is not allowed")
 
 
 def _field_line_error(line: str, fail: Fail) -> HttpError:
@@ -557,14 +659,37 @@ def _serialize(start_line: str, fields: Sequence[tuple[str, str]]) -> bytes:
 # -- request head --------------------------------------------------------------------------
 
 
-@dataclass(slots=True)  # built once per head and never changed (frozen costs more)
 class _RequestLine:
-    method: str
-    target: str
-    version: str
-    kind: RequestKind
-    authority: Authority
-    origin_target: str | None
+    """The request line, read; built once per head and never changed."""
+
+    # A plain class: compiled, its __init__ is native (a dataclass's is interpreted).
+    __slots__ = (
+        "authority",
+        "authority_text",
+        "kind",
+        "method",
+        "origin_target",
+        "target",
+        "version",
+    )
+
+    def __init__(  # noqa: PLR0917
+        self,
+        method: str,
+        target: str,
+        version: str,
+        kind: RequestKind,
+        authority_text: str,
+        authority: Authority,
+        origin_target: str | None,
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.version = version
+        self.kind = kind
+        self.authority_text = authority_text  # as written in the target: host[:port]
+        self.authority = authority
+        self.origin_target = origin_target
 
 
 class RequestHeadParser:
@@ -646,12 +771,12 @@ def _request_line(raw: bytes) -> _RequestLine:
     """The one reading of a request line: `METHOD SP request-target SP HTTP-version`
     (RFC 9112 §3), however the bytes were split."""
     line = raw.decode("latin-1")  # one character per byte: encoding back gives the bytes
-    match = _REQUEST_LINE_RE.fullmatch(line)
-    if match is None:
-        raise _request_line_error(line)
-    method, target, version = match.groups()
-    kind, authority, origin_target = _interpret_target(method, target)
-    return _RequestLine(method, target, version, kind, authority, origin_target)
+    if _REQUEST_LINE_RE.fullmatch(line) is None:
+        raise _bare_fault(line, _bad_request) or _request_line_error(line)
+    # The three parts, as matched: single spaces between them, and none inside one.
+    method, target, version = line.split(" ")
+    kind, authority_text, authority, origin_target = _interpret_target(method, target)
+    return _RequestLine(method, target, version, kind, authority_text, authority, origin_target)
 
 
 def _request_head(line: _RequestLine, raw: bytes) -> RequestHead:
@@ -681,22 +806,25 @@ def _request_line_error(line: str) -> HttpError:
     return _bad_request("the method is not a token")
 
 
-def _interpret_target(method: str, target: str) -> tuple[RequestKind, Authority, str | None]:
+def _interpret_target(method: str, target: str) -> tuple[RequestKind, str, Authority, str | None]:
+    """The target's kind, its authority (as written, and read) and its path and query."""
     if method == "CONNECT":
-        return RequestKind.CONNECT, _connect_authority(target), None
+        return RequestKind.CONNECT, target, _connect_authority(target), None
     if target == "*":
         raise _bad_request("asterisk-form (OPTIONS *) is not proxied; send an absolute http:// URL")
     if target.startswith("/"):
         raise _bad_request(
             "this is a proxy: send absolute-form (GET http://host/path) or CONNECT host:port"
         )
-    scheme = _SCHEME_RE.match(target)
-    if scheme is None:
+    if _SCHEME_RE.match(target) is None:
         raise _bad_request(
             "the request target must be absolute-form (http://host/path);"
             " only CONNECT takes host:port"
         )
-    name = scheme.group(1).lower()
+    # The scheme matched ends at the first colon (none is in its characters): no group
+    # to ask the match for.
+    written = target[: target.find(":")]
+    name = written.lower()
     if name in _TLS_SCHEMES:
         raise _bad_request(
             "for https:// and wss:// URLs use CONNECT host:443 (a TLS tunnel through the proxy)"
@@ -705,8 +833,9 @@ def _interpret_target(method: str, target: str) -> tuple[RequestKind, Authority,
         raise _bad_request(
             "only http:// and ws:// URLs are forwarded; tunnel other protocols with CONNECT"
         )
-    authority, origin_target = _absolute_form(method, target[scheme.end() :])
-    return RequestKind.FORWARD, authority, origin_target
+    after = target[len(written) + 3 :]  # after the scheme's "://"
+    authority_text, authority, origin_target = _absolute_form(method, after)
+    return RequestKind.FORWARD, authority_text, authority, origin_target
 
 
 def _connect_authority(target: str) -> Authority:
@@ -716,18 +845,29 @@ def _connect_authority(target: str) -> Authority:
     return _authority(target, default_port=None)
 
 
-def _absolute_form(method: str, rest: str) -> tuple[Authority, str]:
-    """What follows `http://` or `ws://`: authority, path and query (RFC 9112 §3.2.2)."""
+def _absolute_form(method: str, rest: str) -> tuple[str, Authority, str]:
+    """What follows `http://` or `ws://`: authority (as written, and read), path and
+    query (RFC 9112 §3.2.2)."""
     if "#" in rest:
         raise _bad_request("a fragment (#) is not allowed in the request target")
-    found = _PATH_START_RE.search(rest)
-    cut = found.start() if found is not None else len(rest)
-    authority = _authority(rest[:cut], default_port=HTTP_DEFAULT_PORT)
+    cut = _path_start(rest)
+    text = rest[:cut]
+    authority = _authority(text, default_port=HTTP_DEFAULT_PORT)
     path = rest[cut:]
     if not path:
         # RFC 9112 §3.2.4: an empty path is sent as "/", or "*" for OPTIONS.
-        return authority, "*" if method == "OPTIONS" else "/"
-    return authority, path if path.startswith("/") else "/" + path
+        return text, authority, "*" if method == "OPTIONS" else "/"
+    return text, authority, path if path.startswith("/") else "/" + path
+
+
+def _path_start(rest: str) -> int:
+    """Where the path ("/") or the query ("?") begins in `rest`, else its length."""
+    cut = len(rest)
+    for mark in "/?":
+        found = rest.find(mark, 0, cut)
+        if found >= 0:
+            cut = found
+    return cut
 
 
 def _authority(text: str, default_port: int | None) -> Authority:
@@ -803,6 +943,10 @@ def _check_host(line: _RequestLine, values: list[str]) -> None:
         # clients (ssh ProxyCommands, some SDKs) send no Host with it.
         if line.version == HTTP_11 and line.kind is not RequestKind.CONNECT:
             raise _bad_request("an HTTP/1.1 request needs a Host header")
+        return
+    if values[0] == line.authority_text:
+        # The target's own spelling (curl's CONNECT, most clients' Host): it was read
+        # already, to the same host and port, so it is well-formed and names the target.
         return
     try:
         raw_host, raw_port = hosts.split_authority(values[0])
@@ -1524,9 +1668,11 @@ class ResponseFramer:
 
 def _status_line(raw: bytes) -> _StatusLine:
     """The one reading of a status line, however the bytes were split."""
-    match = _STATUS_LINE_RE.fullmatch(raw.decode("latin-1"))
+    line = raw.decode("latin-1")
+    match = _STATUS_LINE_RE.fullmatch(line)
     if match is None:
-        raise UpstreamResponseError("malformed status line from the upstream")
+        bare = _bare_fault(line, UpstreamResponseError)
+        raise bare or UpstreamResponseError("malformed status line from the upstream")
     version, status, reason = match.groups()
     return _StatusLine(version, int(status), reason or "")
 
