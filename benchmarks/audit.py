@@ -6,6 +6,7 @@
 Write side:
   sink              one thread writing records into a JsonlFileSink (one write(2) each),
                     without and with rotation (--rotate-mb, keep 3);
+  decision_line     the proxy's line per decision alone, without writing it (CPU time);
   sink, line path   the proxy's own path per decision: decision_line (the record's line,
                     no record object) then write_json, one thread;
   sink threads      --threads threads sharing one sink (the lock and the GIL in play);
@@ -142,10 +143,23 @@ def bench_line_path(directory: str, records: Sequence[AuditRecord]) -> Row:
     return Row("sink, line path", len(records), seconds, "decision_line + write_json")
 
 
+def bench_line_only(records: Sequence[AuditRecord]) -> Row:
+    """decision_line alone, in CPU time (no write): the user-space cost of the line."""
+    fields = [(r.protocol, r.host, r.port, r.decision, r.reason) for r in records]
+    clock = time.time_ns
+    start = time.process_time()
+    for protocol, host, port, verdict, reason in fields:
+        if decision_line(protocol, host, port, verdict, reason, now_ns=clock()) is None:
+            raise SystemExit(f"decision_line refused {host!r}")
+    seconds = time.process_time() - start
+    return Row("decision_line", len(records), seconds, "CPU time, no write")
+
+
 def bench_sinks(directory: str, args: argparse.Namespace) -> list[Row]:
     records = sample_records(args.records)
     return [
         bench_sink(directory, records, None, "sink, 1 thread"),
+        bench_line_only(records),
         bench_line_path(directory, records),
         bench_sink(directory, records, args.rotate_mb * 2**20, "sink, 1 thread, rotating"),
         bench_threads(directory, records, args.threads),

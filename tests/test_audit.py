@@ -1278,6 +1278,41 @@ def test_decision_line_leaves_the_unusual_to_the_record() -> None:
             AuditRecord.create(*bad)
 
 
+def test_decision_line_of_fields_seen_before_is_still_the_records_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The text after the timestamp is kept per (host, port, protocol, decision, reason):
+    # the same fields at other instants, and other fields for the same host, still give
+    # each record's own line.
+    monkeypatch.setattr(audit, "_line_tails", {})
+    instants = (1_796_036_896_123_456_789, 1_796_036_897_000_000_000, 1_796_036_896_123_999_999)
+    host, port = "repeat.example", 8443
+    for decision, reason in (
+        (Verdict.WOULD_DENY, Reason.NO_ALLOW_RULE),
+        (Verdict.ALLOW, Reason.ALLOWED),
+    ):
+        for now_ns in instants:
+            args = (AuditProtocol.SOCKS5, host, port, decision, reason)
+            line = decision_line(*args, now_ns=now_ns)
+            assert line == AuditRecord(stamped(now_ns), *args).to_json()
+    assert len(audit._line_tails) == 2
+    # A host the guard refuses never gets an entry, however often it is asked for.
+    bad = (AuditProtocol.CONNECT, "a b", 80, Verdict.DENY, Reason.BAD_HOST)
+    for now_ns in instants:
+        assert decision_line(*bad, now_ns=now_ns) is None
+    assert len(audit._line_tails) == 2
+
+
+def test_decision_line_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(audit, "_line_tails", {})
+    monkeypatch.setattr(audit, "_TAIL_CACHE_SIZE", 3)
+    now_ns = 1_796_036_896_123_456_789
+    for index in range(10):
+        args = (AuditProtocol.CONNECT, f"h{index}.example", 443, Verdict.ALLOW, Reason.ALLOWED)
+        assert decision_line(*args, now_ns=now_ns) == AuditRecord(stamped(now_ns), *args).to_json()
+        assert len(audit._line_tails) == min(index + 1, 3)  # full: formatted as before
+
+
 # --------------------------------------------------------------------------- one serializer
 
 # Any text at all: quotes, backslashes, controls, non-ASCII and lone surrogates, which the

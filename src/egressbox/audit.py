@@ -256,9 +256,10 @@ def decision_line(
     """The line ``AuditRecord`` stamped at ``now_ns`` (Unix ns) would write, built directly.
 
     The proxy's fast path for a decision's fields: no record object, the same checks
-    (enum members, port range, the host guard; a cache keeps the guard's verdict on hosts
-    seen before) and the same serializer. None when a field fails them: build an
-    AuditRecord then, which says what is wrong. A test checks the two agree.
+    (enum members, port range, the host guard) and the same serializer, whose text after
+    the timestamp is kept for the five values seen before (``_line_tails``: then neither
+    guard nor formatting runs again). None when a field fails them: build an AuditRecord
+    then, which says what is wrong. A test checks the two agree.
     """
     if (
         type(protocol) is not AuditProtocol
@@ -267,10 +268,37 @@ def decision_line(
         or type(port) is not int
         or not 0 <= port <= MAX_PORT
         or type(host) is not str
-        or (host not in _host_json and _host_problem(host) is not None)
     ):
         return None
-    return record_line(protocol, host, port, decision, reason, ts=_ns_ts(now_ns))
+    tail = _line_tails.get((host, port, protocol, decision, reason))
+    if tail is None:
+        if host not in _host_json and _host_problem(host) is not None:
+            return None
+        if len(_line_tails) >= _TAIL_CACHE_SIZE:
+            return record_line(protocol, host, port, decision, reason, ts=_ns_ts(now_ns))
+        tail = _line_tail(protocol, host, port, decision, reason)
+    return f"{_TS_OPEN}{_ns_ts(now_ns)}{tail}"
+
+
+# record_line's text after the timestamp, by the other five values: the proxy decides
+# on the same destinations over and over, and a lookup replaces the formatting and the
+# host guard (only a host that passed it has an entry). Keys hold exact types only (the
+# members, an int, a str: decision_line checks them first). Bounded: once full, other
+# values are formatted as without it (never cleared: more values than entries, visited
+# in turn, would miss every time, and a miss that fills an entry costs a third more).
+_TAIL_CACHE_SIZE = 4096
+_line_tails: dict[tuple[str, int, AuditProtocol, Verdict, Reason], str] = {}
+# Where every line starts; the timestamp follows.
+_TS_OPEN = '{"ts":"'
+
+
+def _line_tail(
+    protocol: AuditProtocol, host: str, port: int, decision: Verdict, reason: Reason
+) -> str:
+    """record_line's text after the timestamp for these values, now cached."""
+    tail = record_line(protocol, host, port, decision, reason, ts="")[len(_TS_OPEN) :]
+    _line_tails[(host, port, protocol, decision, reason)] = tail
+    return tail
 
 
 # --------------------------------------------------------------------------- checks
