@@ -64,6 +64,8 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Target:
+    """A destination as asked for: host and port."""
+
     host: Host
     port: int
 

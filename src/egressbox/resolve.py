@@ -256,6 +256,8 @@ def _read_text(path: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Upstream:
+    """The resolver that asks the configured DNS servers, and how messages name them."""
+
     resolver: dns.asyncresolver.Resolver
     label: str  # "DNS server 127.0.0.1:5353", for messages
 

@@ -48,6 +48,8 @@ MAX_DRAIN_DELAY = 300.0
 
 @dataclass(frozen=True)
 class ServeOptions:
+    """What `egressbox serve` was asked to do (the command line's options)."""
+
     policy_path: str
     listen: str = "127.0.0.1"
     http_port: int | None = 0

@@ -179,6 +179,8 @@ class Lookup:
 
 @dataclass(frozen=True, slots=True)
 class Suggestion:
+    """Allow entries suggested from an audit log, with what was left out and why."""
+
     allow: tuple[Entry, ...]
     withheld: tuple[Withheld, ...]
     ignored: tuple[Ignored, ...]
@@ -234,6 +236,8 @@ class _Log:
 
 @dataclass(frozen=True, slots=True)
 class _Seen:
+    """A suggested rule and the records it would have admitted."""
+
     rule: Rule
     tally: _Tally
 

@@ -155,6 +155,8 @@ def close_all(sockets: Iterable[socket.socket]) -> None:
 
 @dataclass
 class Worker:
+    """A worker process, as its supervisor tracks it."""
+
     index: int
     pid: int
     report_fd: int  # the parent's end of the worker's report pipe

@@ -6,6 +6,7 @@ are loaded is what the shortcuts promise)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,9 @@ from egressbox import cli
 POLICY = Path(__file__).resolve().parents[2] / "policies" / "pypi.toml"
 
 
-def _python(code: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _python(
+    code: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         capture_output=True,
@@ -26,6 +29,7 @@ def _python(code: str, *args: str, cwd: Path | None = None) -> subprocess.Comple
         timeout=120,
         check=False,
         cwd=cwd,
+        env=env,
     )
 
 
@@ -97,8 +101,12 @@ print(json.dumps([code, seen]))
 """
 
 
-def test_run_hands_its_plan_over_before_the_later_steps_load(tmp_path: Path) -> None:
-    done = _python(HANDOVER_PROBE, str(POLICY), json.dumps(LATER), cwd=tmp_path)
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_run_hands_its_plan_over_before_the_later_steps_load(tmp_path: Path, cache: str) -> None:
+    # A cold cache: the first run on a machine probes the host (and loads more modules).
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for _ in range(1 if cache == "cold" else 2):
+        done = _python(HANDOVER_PROBE, str(POLICY), json.dumps(LATER), cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     code, seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert code == 0, done.stderr

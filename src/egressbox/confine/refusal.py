@@ -108,6 +108,8 @@ def _patterns() -> _Patterns:
 
 @dataclass(frozen=True)
 class _Patterns:
+    """The compiled patterns that read a refusal out of an error line."""
+
     errno: re.Pattern[str]
     write_verb: re.Pattern[str]
     escapes: re.Pattern[str]

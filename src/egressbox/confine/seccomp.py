@@ -643,6 +643,8 @@ class _Libseccomp:
 
 @dataclass(frozen=True)
 class _Built:
+    """A filter built (not loaded) and the report of what it holds."""
+
     seccomp_filter: SyscallFilter
     report: SeccompReport
 
@@ -815,6 +817,8 @@ _SOCK_FILTER_SIZE = 8  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
 
 @dataclass(frozen=True)
 class CompiledFilter:
+    """A filter's BPF program as libseccomp exported it, or why there is none."""
+
     program: bytes  # struct sock_filter[], as libseccomp exported it
     status: Status
     reason: str

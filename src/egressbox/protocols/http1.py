@@ -1433,6 +1433,8 @@ class _Phase(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class _StatusLine:
+    """A response's status line, parsed."""
+
     version: str
     status: int
     reason: str

@@ -110,11 +110,15 @@ class Socks5Error(EgressboxError):
 
 @dataclass(frozen=True, slots=True)
 class MethodSelected:
+    """The greeting is done: the server chose this authentication method."""
+
     method: AuthMethod
 
 
 @dataclass(frozen=True, slots=True)
 class Authenticated:
+    """The username/password exchange succeeded."""
+
     username: str
 
 

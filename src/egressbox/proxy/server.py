@@ -87,6 +87,8 @@ def _soft_nofile() -> int:
 
 @dataclass(frozen=True)
 class Listener:
+    """One listening socket: its kind and bound address."""
+
     kind: str  # "http" | "socks5"
     address: tuple[str, int]
 
