@@ -26,6 +26,7 @@ COMPILED = [
     "src/egressbox/rules.py",
     "src/egressbox/decide.py",
     "src/egressbox/egress.py",
+    "src/egressbox/deadlines.py",  # every connection arms three or four timeouts
     "src/egressbox/dial.py",
     "src/egressbox/relay.py",
     "src/egressbox/sni.py",  # the first client bytes of every tunnel (the TLS name check)

@@ -30,6 +30,7 @@ from enum import StrEnum
 from typing import cast
 
 from egressbox.addresses import IPAddress
+from egressbox.deadlines import wheel
 from egressbox.errors import EgressboxError
 
 __all__ = [
@@ -209,7 +210,7 @@ class _One(Dialing):
         self.task = loop.create_task(
             loop.create_connection(lambda: protocol, _ip_text(address), port)
         )
-        self.timer = loop.call_later(timeout, self._expire)
+        self.timer = wheel(loop).call_later(timeout, self._expire)
         self.task.add_done_callback(self._done)
 
     def _expire(self) -> None:
@@ -300,7 +301,7 @@ class _Many(Dialing):
         self.attempts: dict[asyncio.Task[object], IPAddress] = {}
         self.failures: list[tuple[DialFailure, IPAddress, DialError]] = []
         self.stagger_timer: asyncio.TimerHandle | None = None
-        self.timer = loop.call_later(timeout, self._expire)
+        self.timer = wheel(loop).call_later(timeout, self._expire)
         self._start_next()
 
     def _start_next(self) -> None:

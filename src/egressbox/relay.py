@@ -68,6 +68,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import cast
 
+from egressbox.deadlines import Deadline, wheel
+
 __all__ = [
     "BULK_READ",
     "SPLICE_AVAILABLE",
@@ -145,7 +147,7 @@ class CloseReason(StrEnum):
     ABORTED = "aborted"  # Tunnel.abort() or cancellation (server drain)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class RelayStats:
     """What a finished tunnel moved; bytes include the initial bytes."""
 
@@ -154,6 +156,22 @@ class RelayStats:
     duration: float  # seconds, loop clock
     closed_by: CloseReason
     spliced: bool  # whether the tunnel moved to splice
+
+    def __init__(
+        self,
+        bytes_up: int,
+        bytes_down: int,
+        duration: float,
+        closed_by: CloseReason,
+        spliced: bool,
+    ) -> None:
+        # The generated __init__ of a frozen dataclass is interpreted (one object.__setattr__
+        # call per field: ~6,500 instructions a tunnel); compiled, these are direct stores.
+        object.__setattr__(self, "bytes_up", bytes_up)
+        object.__setattr__(self, "bytes_down", bytes_down)
+        object.__setattr__(self, "duration", duration)
+        object.__setattr__(self, "closed_by", closed_by)
+        object.__setattr__(self, "spliced", spliced)
 
 
 def _reason(client: bool, exc: BaseException) -> CloseReason:
@@ -600,7 +618,7 @@ class Tunnel:
         self.bytes_up = 0
         self.bytes_down = 0
         self._started = self._last = loop.time()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Deadline | None = None
         self._reason: CloseReason | None = None
         self._running = False  # initial bytes sent, forwarding
         self._opened = False  # both transports exist (or never will)
@@ -799,7 +817,7 @@ class Tunnel:
         self._last = self._loop.time()
 
     def _arm(self) -> None:
-        self._timer = self._loop.call_at(self._last + self._idle, self._on_timer)
+        self._timer = wheel(self._loop).call_at(self._last + self._idle, self._on_timer)
 
     def _on_timer(self) -> None:
         # Re-armed lazily: bytes only stamp _last, the timer checks it when due.

@@ -39,6 +39,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
+from egressbox.deadlines import Deadline, wheel
 from egressbox.decide import Decision, NamePass, Target, decide_name, parse_target
 from egressbox.errors import AuditError, HostError, Reason, Verdict
 from egressbox.hosts import format_authority, split_authority
@@ -229,7 +230,7 @@ class FirstBytes(asyncio.Protocol):
         self.chunks: list[bytes] = []  # every byte read, to forward unchanged
         self.reader: ClientHelloReader | None = None  # made at the first TLS-like byte
         self.done = False
-        self.timer: asyncio.TimerHandle | None = loop.call_later(timeout, self._timed_out)
+        self.timer: Deadline | None = wheel(loop).call_later(timeout, self._timed_out)
 
     def start(self, reply: bytes, first: bytes) -> None:
         """Take the client transport, answer, and judge `first` (bytes the client sent

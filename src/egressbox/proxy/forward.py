@@ -41,6 +41,7 @@ import ipaddress
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, cast
 
+from egressbox.deadlines import Deadline, wheel
 from egressbox.decide import Decision
 from egressbox.dial import DialError, Dialing, start_connect
 from egressbox.hosts import IPAddress, format_authority
@@ -188,7 +189,7 @@ class Forwarder(asyncio.Protocol):
         self.client_blocked = False  # the client's write buffer is full
         self.dropped = 0  # bytes dropped while lingering
         self.deadline = 0.0
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Deadline | None = None
         self.timer_at = 0.0  # when `timer` fires
         self.task: asyncio.Task[None] | None = None
         # UpstreamDial when chaining (an interpreted class: not a compiled Dialing).
@@ -753,7 +754,7 @@ class Forwarder(asyncio.Protocol):
 
     def _arm(self, when: float) -> None:
         self.timer_at = when
-        self.timer = self.loop.call_at(when, self._on_timer)
+        self.timer = wheel(self.loop).call_at(when, self._on_timer)
 
     def _cancel_timer(self) -> None:
         if self.timer is not None:

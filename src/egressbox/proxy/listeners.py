@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from egressbox.audit import AuditProtocol, AuditRecord
+from egressbox.deadlines import Deadline, wheel
 from egressbox.decide import Decision
 from egressbox.dial import DialError
 from egressbox.errors import AuditError, Reason, Verdict
@@ -64,7 +65,7 @@ class _Lingering(Connection):
                 transport.abort()
                 return
         transport.resume_reading()
-        self.timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, self.close)
+        self.timer = wheel(asyncio.get_running_loop()).call_later(LINGER_SECONDS, self.close)
 
     def linger_received(self, data: bytes) -> bool:
         """True when `data` was dropped because the connection is lingering."""
@@ -328,7 +329,7 @@ class ProxyHeaderConnection(asyncio.Protocol):
         self.gate = gate
         self.listener = listener
         self.transport: asyncio.Transport | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Deadline | None = None
         self.reader = ProxyHeaderReader()
         self.peer = "-"
 
@@ -342,7 +343,8 @@ class ProxyHeaderConnection(asyncio.Protocol):
             return
         state = self.state
         state.connections.add(self)
-        self.timer = state.event_loop().call_later(state.limits.head_timeout, self._timed_out)
+        timeout = state.limits.head_timeout
+        self.timer = wheel(state.event_loop()).call_later(timeout, self._timed_out)
 
     def data_received(self, data: bytes) -> None:
         try:

@@ -17,6 +17,7 @@ from typing import cast
 from egressbox.audit import (
     AuditProtocol,
 )
+from egressbox.deadlines import Deadline, wheel
 from egressbox.decide import Decision, bad_target
 from egressbox.dial import DialError, Dialing, start_connect
 from egressbox.egress import Pending
@@ -49,7 +50,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         self.transport: asyncio.Transport | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: Deadline | None = None
         self.task: asyncio.Task[None] | None = None
         # UpstreamDial when chaining (an interpreted class: not a compiled Dialing).
         self.dialing: Dialing | UpstreamDial | None = None
@@ -69,7 +70,9 @@ class Connection(asyncio.Protocol):
         self.over_limit = state.over_limit() or over_client
         state.connections.add(self)
         # Slowloris: the whole head or handshake must arrive in time.
-        self.timer = state.event_loop().call_later(state.limits.head_timeout, self.head_timed_out)
+        self.timer = wheel(state.event_loop()).call_later(
+            state.limits.head_timeout, self.head_timed_out
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.left()
