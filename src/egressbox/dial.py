@@ -179,9 +179,16 @@ def _failure_of(address: IPAddress, port: int, exc: BaseException) -> DialError:
 
 
 class Dialing:
-    """A connection being made by `start_connect`; `cancel()` closes whatever it opened."""
+    """A connection being made by `start_connect`; `cancel()` closes whatever it opened.
 
-    __slots__ = ()
+    `address`: the checked address the connection is to, once it is made (the one
+    address of a single dial from the start).
+    """
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: IPAddress | None) -> None:
+        self.address = address
 
     def cancel(self) -> None:
         raise NotImplementedError
@@ -198,7 +205,6 @@ class _One(Dialing):
     """
 
     __slots__ = (
-        "address",
         "coro",
         "inside",
         "loop",
@@ -206,6 +212,7 @@ class _One(Dialing):
         "port",
         "timeout",
         "timer",
+        "to",
         "waiting",
     )
 
@@ -219,7 +226,8 @@ class _One(Dialing):
         *,
         timeout: float,
     ) -> None:
-        self.address = address
+        super().__init__(address)
+        self.to = address
         self.port = port
         self.timeout = timeout
         self.loop = loop
@@ -274,13 +282,13 @@ class _One(Dialing):
             if transport is not None:
                 transport.abort()
             return
-        on_done(transport, None if exc is None else _failure_of(self.address, self.port, exc))
+        on_done(transport, None if exc is None else _failure_of(self.to, self.port, exc))
 
     def _expire(self) -> None:
         on_done = self.on_done
         self._abandon()
         if on_done is not None:
-            on_done(None, _timeout_error((self.address,), self.port, self.timeout))
+            on_done(None, _timeout_error((self.to,), self.port, self.timeout))
 
     def _abandon(self) -> None:
         self.on_done = None
@@ -343,6 +351,7 @@ class _Many(Dialing):
         timeout: float,
         stagger: float,
     ) -> None:
+        super().__init__(None)
         self.loop = loop
         self.order = order
         self.pending = deque(order)
@@ -383,6 +392,8 @@ class _Many(Dialing):
             return
         self.winner = transport
         self.winner_task = claim.task
+        if claim.task is not None:
+            self.address = self.attempts.get(claim.task)
         transport.set_protocol(self.protocol)
         self.protocol.connection_made(transport)
         self.timer.cancel()

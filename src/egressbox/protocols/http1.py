@@ -1369,7 +1369,7 @@ class InformationalResponse:
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class ResponseHead:
     """The final response head, re-serialized for the client in `data`."""
 
@@ -1379,15 +1379,28 @@ class ResponseHead:
     data: bytes
     keep_alive: bool
 
+    def __init__(
+        self, status: int, reason: str, headers: Fields, data: bytes, keep_alive: bool
+    ) -> None:
+        # Written out for the same reason as RequestHead's: compiled stores, one a field.
+        object.__setattr__(self, "status", status)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "headers", headers)
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "keep_alive", keep_alive)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class BodyData:
     """Body bytes already framed for the client."""
 
     data: bytes
 
+    def __init__(self, data: bytes) -> None:
+        object.__setattr__(self, "data", data)  # compiled (see RequestHead)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class EndOfMessage:
     """The response is complete; `data` finishes its framing (maybe empty).
 
@@ -1398,6 +1411,10 @@ class EndOfMessage:
 
     data: bytes
     keep_alive: bool
+
+    def __init__(self, data: bytes, keep_alive: bool) -> None:
+        object.__setattr__(self, "data", data)  # compiled (see RequestHead)
+        object.__setattr__(self, "keep_alive", keep_alive)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1431,13 +1448,16 @@ class _Phase(enum.Enum):
     UPGRADED = "upgraded"  # after a 101: every byte is the new protocol's
 
 
-@dataclass(frozen=True, slots=True)
 class _StatusLine:
     """A response's status line, parsed."""
 
-    version: str
-    status: int
-    reason: str
+    # A plain class, as _RequestLine: compiled, its __init__ is native.
+    __slots__ = ("reason", "status", "version")
+
+    def __init__(self, version: str, status: int, reason: str) -> None:
+        self.version = version
+        self.status = status
+        self.reason = reason
 
 
 class ResponseFramer:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import ipaddress
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, cast
 
@@ -91,9 +90,6 @@ class _Upstream(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        peer = transport.get_extra_info("peername")
-        if peer:
-            self.address = ipaddress.ip_address(str(peer[0]).partition("%")[0])
 
     # Every callback is guarded: an exception here would close only this upstream
     # transport and leave the client connection waiting on it forever.
@@ -393,9 +389,10 @@ class Forwarder(asyncio.Protocol):
 
         def dialed(transport: asyncio.Transport | None, error: DialError | None) -> None:
             try:
-                if transport is not None and isinstance(self.dialing, UpstreamDial):
-                    # Through an upstream proxy the peer is that proxy: the connection
-                    # is to the checked address it was asked for (or the name's first).
+                if transport is not None and self.dialing is not None:
+                    # The checked address the dial connected to (not the peer's address
+                    # parsed again; through an upstream proxy the peer is that proxy:
+                    # then the address it was asked for, or the name's first).
                     upstream.address = self.dialing.address
                 self._dialed(upstream, decision, error)
             except Exception as exc:  # a bug must not kill the server (nor hang the client)
