@@ -91,7 +91,7 @@ BAD_HOST_REPLY = ReplyCode.GENERAL_FAILURE
 _METHOD_REFUSED = bytes([SOCKS_VERSION, AuthMethod.NO_ACCEPTABLE])
 _AUTH_OK = bytes([AUTH_VERSION, 0x00])
 _AUTH_FAILED = bytes([AUTH_VERSION, 0x01])
-_UNSPECIFIED = ipaddress.IPv4Address(0)
+_UNSPECIFIED = bytes([AddressType.IPV4]) + bytes(4)  # ATYP and 0.0.0.0
 
 
 class Socks5Error(EgressboxError):
@@ -108,11 +108,16 @@ class Socks5Error(EgressboxError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class MethodSelected:
     """The greeting is done: the server chose this authentication method."""
 
     method: AuthMethod
+
+    def __init__(self, method: AuthMethod) -> None:
+        # Written out: a frozen dataclass's generated __init__ is interpreted; compiled,
+        # this is a store (an event of every connection).
+        object.__setattr__(self, "method", method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +127,18 @@ class Authenticated:
     username: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class ConnectRequest:
     """host: domain text as sent (ASCII), or canonical IP text for IP types."""
 
     host: str
     port: int
     atyp: AddressType
+
+    def __init__(self, host: str, port: int, atyp: AddressType) -> None:
+        object.__setattr__(self, "host", host)  # compiled stores (see MethodSelected)
+        object.__setattr__(self, "port", port)
+        object.__setattr__(self, "atyp", atyp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,10 +236,7 @@ class Socks5Server:
     def reply_success(self, bind_host: str | IPAddress = "0.0.0.0", bind_port: int = 0) -> bytes:
         """The reply that opens the tunnel; BND is the local end of the upstream socket."""
         self._expect_reply()
-        try:
-            address = ipaddress.ip_address(bind_host)
-        except ValueError:
-            raise Socks5Error("bind address must be an IP address") from None
+        address = _bind_address(bind_host)
         if not 0 <= bind_port <= 0xFFFF:
             raise Socks5Error("bind port out of range")
         self._state = _State.ESTABLISHED
@@ -415,6 +422,33 @@ def _decode_credential(raw: bytes) -> str | None:
         return None
 
 
-def _reply(code: ReplyCode, address: IPAddress = _UNSPECIFIED, port: int = 0) -> bytes:
+def _reply(code: ReplyCode, address: bytes = _UNSPECIFIED, port: int = 0) -> bytes:
+    """`address`: ATYP and BND.ADDR (see _bind_address)."""
+    return bytes([SOCKS_VERSION, code, 0x00]) + address + port.to_bytes(2, "big")
+
+
+def _bind_address(host: str | IPAddress) -> bytes:
+    """ATYP and BND.ADDR of an IP address, given as text (a socket's name) or an address."""
+    if not isinstance(host, str):
+        return _packed(host)
+    found = _BIND_TEXTS.get(host)
+    if found is None:
+        try:
+            found = _packed(ipaddress.ip_address(host))
+        except ValueError:
+            raise Socks5Error("bind address must be an IP address") from None
+        if len(_BIND_TEXTS) < _BIND_TEXTS_SIZE:
+            _BIND_TEXTS[host] = found
+    return found
+
+
+def _packed(address: IPAddress) -> bytes:
     atyp = AddressType.IPV4 if address.version == 4 else AddressType.IPV6
-    return bytes([SOCKS_VERSION, code, 0x00, atyp]) + address.packed + port.to_bytes(2, "big")
+    return bytes([atyp]) + address.packed
+
+
+# The packed form of each bind address text seen: a server's sockets have few local
+# addresses, and ipaddress's parser is interpreted (~17,000 instructions, every tunnel's
+# reply). Bounded: past it, texts are parsed each time.
+_BIND_TEXTS_SIZE = 256
+_BIND_TEXTS: dict[str, bytes] = {}
