@@ -21,6 +21,7 @@ from setuptools.command.build_ext import build_ext
 COMPILED = [
     "src/egressbox/protocols/http1.py",
     "src/egressbox/protocols/socks5.py",
+    "src/egressbox/protocols/tls.py",  # the first bytes of every tunnel (the TLS name check)
     "src/egressbox/hosts.py",
     "src/egressbox/addresses.py",
     "src/egressbox/rules.py",
