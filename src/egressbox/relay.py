@@ -755,9 +755,12 @@ class Tunnel:
             self._upstream_first()
         if not self._running or self._reason is not None:
             return
-        side.peer.write_eof()
         if side.peer.eof:
+            # Both directions are done: closing (after the flush) sends the FIN that a
+            # write_eof would have, one shutdown(2) fewer per tunnel.
             self._finish(CloseReason.EOF)
+            return
+        side.peer.write_eof()
 
     def _side_lost(self, side: _Side, exc: Exception | None) -> None:
         if exc is not None:
