@@ -168,7 +168,7 @@ class Forwarder(asyncio.Protocol):
         # a decision was in flight, and everything after the request body.
         self.pending = b""
         self.head_started = False  # part of the next head has arrived
-        self.loop = asyncio.get_running_loop()
+        self.loop = conn.state.event_loop()  # get_running_loop() is a getpid() on 3.11
         self.phase = _Phase.HEAD
         self.parser: http1.RequestHeadParser | None = None
         self.request: http1.RequestHead | None = None

@@ -65,7 +65,7 @@ class _Lingering(Connection):
                 transport.abort()
                 return
         transport.resume_reading()
-        self.timer = wheel(asyncio.get_running_loop()).call_later(LINGER_SECONDS, self.close)
+        self.timer = wheel(self.state.event_loop()).call_later(LINGER_SECONDS, self.close)
 
     def linger_received(self, data: bytes) -> bool:
         """True when `data` was dropped because the connection is lingering."""
