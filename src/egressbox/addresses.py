@@ -23,8 +23,15 @@ import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from egressbox.errors import Reason
+
+# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
+# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+_METADATA_ADDRESS: Final = Reason.METADATA_ADDRESS
+_PRIVATE_ADDRESS: Final = Reason.PRIVATE_ADDRESS
+_SPECIAL_ADDRESS: Final = Reason.SPECIAL_ADDRESS
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -292,5 +299,5 @@ def is_metadata(ip: IPAddress) -> bool:
 def reason_for(category: Category) -> Reason:
     """The denial reason for a non-routable category."""
     if category is Category.METADATA:
-        return Reason.METADATA_ADDRESS
-    return Reason.PRIVATE_ADDRESS if category in _LOCAL else Reason.SPECIAL_ADDRESS
+        return _METADATA_ADDRESS
+    return _PRIVATE_ADDRESS if category in _LOCAL else _SPECIAL_ADDRESS

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from egressbox.addresses import (
     PRIVATE_LIKE,
@@ -43,6 +43,22 @@ from egressbox.hosts import (
 from egressbox.policy import Mode, Policy
 from egressbox.rules import Rule, RuleKind
 
+# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
+# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+_ALLOW: Final = Verdict.ALLOW
+_ALLOWED: Final = Reason.ALLOWED
+_BAD_PORT: Final = Reason.BAD_PORT
+_DENY: Final = Verdict.DENY
+_DENY_CIDR: Final = Reason.DENY_CIDR
+_DENY_RULE: Final = Reason.DENY_RULE
+_DNS_FAILURE: Final = Reason.DNS_FAILURE
+_METADATA_ADDRESS: Final = Reason.METADATA_ADDRESS
+_NO_ALLOW_RULE: Final = Reason.NO_ALLOW_RULE
+_NO_POLICY: Final = Reason.NO_POLICY
+_REPORT: Final = Mode.REPORT
+_SELF_CONNECTION: Final = Reason.SELF_CONNECTION
+_WOULD_DENY: Final = Verdict.WOULD_DENY
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -59,7 +75,7 @@ class Decision:
     @property
     def allowed(self) -> bool:
         """True when the connection goes ahead (allow, or would_deny in report mode)."""
-        return self.verdict is not Verdict.DENY
+        return self.verdict is not _DENY
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +135,7 @@ def deny(
     rule: str | None = None,
     addresses: tuple[IPAddress, ...] = (),
 ) -> Decision:
-    return Decision(Verdict.DENY, reason, target.host.text, target.port, addresses, rule, detail)
+    return Decision(_DENY, reason, target.host.text, target.port, addresses, rule, detail)
 
 
 # Normalized hosts kept for reuse: a proxy sees the same few names over and
@@ -140,13 +156,13 @@ def parse_target(host: str, port: int | str) -> Target:
 def bad_target(error: HostError, port: int | str = 0) -> Decision:
     """The decision for a target that could not be parsed; never echoes it."""
     number = port if isinstance(port, int) and 1 <= port <= 65535 else 0
-    if error.reason is Reason.BAD_PORT:
+    if error.reason is _BAD_PORT:
         number = 0
-    return Decision(Verdict.DENY, error.reason, INVALID_HOST_TEXT, number, detail=str(error))
+    return Decision(_DENY, error.reason, INVALID_HOST_TEXT, number, detail=str(error))
 
 
 def no_policy(target: Target) -> Decision:
-    return deny(Reason.NO_POLICY, target, "no policy is loaded: every destination is denied")
+    return deny(_NO_POLICY, target, "no policy is loaded: every destination is denied")
 
 
 def decide_name(policy: Policy | None, target: Target) -> Decision | NamePass:
@@ -162,13 +178,13 @@ def decide_name(policy: Policy | None, target: Target) -> Decision | NamePass:
         allowed = policy.allow.match_name(host.text, port)
     if denied is not None:
         detail = f"{target.host.authority(port)} matches deny entry {denied.text}"
-        return deny(Reason.DENY_RULE, target, detail, rule=denied.text)
+        return deny(_DENY_RULE, target, detail, rule=denied.text)
     if allowed is not None:
         return NamePass(target, allowed)
     what = "IP address" if host.is_ip else "name"
-    if policy.mode is Mode.REPORT:
-        return NamePass(target, None, Reason.NO_ALLOW_RULE)
-    return deny(Reason.NO_ALLOW_RULE, target, _no_rule_detail(policy, target, what))
+    if policy.mode is _REPORT:
+        return NamePass(target, None, _NO_ALLOW_RULE)
+    return deny(_NO_ALLOW_RULE, target, _no_rule_detail(policy, target, what))
 
 
 def _no_rule_detail(policy: Policy, target: Target, what: str) -> str:
@@ -199,14 +215,14 @@ def decide_addresses(
     checked = tuple(dict.fromkeys(addresses))
     rule_text = rule.text if rule is not None else None
     if not checked:
-        return deny(Reason.DNS_FAILURE, target, "the name has no addresses", rule=rule_text)
+        return deny(_DNS_FAILURE, target, "the name has no addresses", rule=rule_text)
     for name in names[1:]:
         hit = policy.deny.match_name(name, target.port)
         if hit is not None:
             detail = (
                 f"{target.host.text} is an alias of {name}, which matches deny entry {hit.text}"
             )
-            return deny(Reason.DENY_RULE, target, detail, rule=hit.text, addresses=checked)
+            return deny(_DENY_RULE, target, detail, rule=hit.text, addresses=checked)
     for ip in checked:
         refusal = check_address(policy, ip, target.port, rule, self_endpoints)
         if refusal is not None:
@@ -217,7 +233,7 @@ def decide_addresses(
             policy, target, "IP address" if target.host.is_ip else "name"
         )
         return Decision(
-            Verdict.WOULD_DENY,
+            _WOULD_DENY,
             passed.would_deny,
             target.host.text,
             target.port,
@@ -226,9 +242,7 @@ def decide_addresses(
             detail,
         )
     detail = f"allowed by {rule_text}"
-    return Decision(
-        Verdict.ALLOW, Reason.ALLOWED, target.host.text, target.port, checked, rule_text, detail
-    )
+    return Decision(_ALLOW, _ALLOWED, target.host.text, target.port, checked, rule_text, detail)
 
 
 class Refusal(NamedTuple):
@@ -245,19 +259,17 @@ def check_address(
     for addr in addrs:
         net = policy.deny_cidr_for(addr)
         if net is not None:
-            return Refusal(
-                Reason.DENY_CIDR, f"{canonical_ip_text(ip)} is inside deny_cidrs entry {net}"
-            )
+            return Refusal(_DENY_CIDR, f"{canonical_ip_text(ip)} is inside deny_cidrs entry {net}")
     for addr in addrs:
         # An IP or CIDR deny entry also refuses a name that resolves into it.
         hit = policy.deny.match_ip(addr, port)
         if hit is not None:
             detail = f"{canonical_ip_text(ip)} port {port} matches deny entry {hit.text}"
-            return Refusal(Reason.DENY_RULE, detail, hit.text)
+            return Refusal(_DENY_RULE, detail, hit.text)
     for addr in addrs:
         if self_endpoints.contains(addr, port):
             detail = f"{canonical_ip_text(ip)} port {port} is this proxy's own listener"
-            return Refusal(Reason.SELF_CONNECTION, detail)
+            return Refusal(_SELF_CONNECTION, detail)
     # An explicit allow_cidrs entry for the address as resolved lifts the ban;
     # an IPv4 entry never admits an IPv6 form wrapping that IPv4 address.
     granted = policy.allow_cidr_for(ip) is not None
@@ -270,7 +282,7 @@ def check_address(
             # entry, a name): only the entry naming this very address, which
             # a wrapped form never is. It outranks the wrapper's own ban.
             if not _names_exactly(rule, addr):
-                return Refusal(Reason.METADATA_ADDRESS, _metadata_detail(ip, addr))
+                return Refusal(_METADATA_ADDRESS, _metadata_detail(ip, addr))
             continue
         if banned is not None or is_routable(category) or granted:
             continue

@@ -14,8 +14,14 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
+from typing import Final
 
 from egressbox.errors import HostError, Reason
+
+# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
+# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+_BAD_HOST: Final = Reason.BAD_HOST
+_BAD_PORT: Final = Reason.BAD_PORT
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -62,7 +68,7 @@ def format_authority(host: str, port: int | None) -> str:
 def _bad(raw: str, why: str) -> HostError:
     # The raw text is never echoed: it could carry a credential or a path.
     del raw
-    return HostError(Reason.BAD_HOST, f"bad host: {why}")
+    return HostError(_BAD_HOST, f"bad host: {why}")
 
 
 def normalize_host(raw: str) -> Host:
@@ -175,17 +181,17 @@ def _check_round_trip(label: str) -> None:
 def parse_port(text: str) -> int:
     """Return a port 1-65535 from plain ASCII digits, or raise HostError(bad_port)."""
     if not _PORT_RE.fullmatch(text):
-        raise HostError(Reason.BAD_PORT, "bad port: use a decimal number from 1 to 65535")
+        raise HostError(_BAD_PORT, "bad port: use a decimal number from 1 to 65535")
     port = int(text)
     if not 1 <= port <= 65535:
-        raise HostError(Reason.BAD_PORT, "bad port: use a decimal number from 1 to 65535")
+        raise HostError(_BAD_PORT, "bad port: use a decimal number from 1 to 65535")
     return port
 
 
 def check_port(port: int) -> int:
     """Validate a numeric port (from SOCKS or a library call)."""
     if not 1 <= port <= 65535:
-        raise HostError(Reason.BAD_PORT, "bad port: use a number from 1 to 65535")
+        raise HostError(_BAD_PORT, "bad port: use a number from 1 to 65535")
     return port
 
 
@@ -218,7 +224,7 @@ def parse_authority(text: str, default_port: int | None = None) -> tuple[Host, i
     host = normalize_host(raw_host)
     if raw_port is None:
         if default_port is None:
-            raise HostError(Reason.BAD_PORT, "bad port: a port is required (host:port)")
+            raise HostError(_BAD_PORT, "bad port: a port is required (host:port)")
         return host, check_port(default_port)
     return host, parse_port(raw_port)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
 
 from egressbox.deadlines import Deadline, wheel
 from egressbox.decide import Decision, NamePass, Target, decide_name, parse_target
@@ -54,6 +54,15 @@ from egressbox.protocols.tls import (
 )
 from egressbox.relay import Tunnel
 
+# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
+# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+_DENY: Final = Verdict.DENY
+_ENFORCE: Final = TlsNameCheck.ENFORCE
+_HOST_MISMATCH: Final = Reason.HOST_MISMATCH
+_REPORT: Final = Mode.REPORT
+_SNI_MISMATCH: Final = Reason.SNI_MISMATCH
+_WOULD_DENY: Final = Verdict.WOULD_DENY
+
 # A fatal TLS alert sent before the close, so that the client's TLS stack says
 # why instead of "unexpected EOF": unrecognized_name (RFC 8446 §6.2: 112) for
 # another name, decode_error (50) for a ClientHello we cannot read. Record
@@ -64,7 +73,7 @@ DECODE_ERROR_ALERT = bytes([0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 50])
 
 def checks_names(policy: Policy) -> bool:
     """Whether tunnels admitted under `policy` get the TLS name check."""
-    return policy.tls_name_check is TlsNameCheck.ENFORCE
+    return policy.tls_name_check is _ENFORCE
 
 
 def name_check(
@@ -75,9 +84,9 @@ def name_check(
     why = _mismatch(policy, admitted, hello)
     if why is None:
         return None
-    verdict = Verdict.WOULD_DENY if policy.mode is Mode.REPORT else Verdict.DENY
+    verdict = _WOULD_DENY if policy.mode is _REPORT else _DENY
     return Decision(
-        verdict, Reason.SNI_MISMATCH, admitted.host, admitted.port, admitted.addresses, None, why
+        verdict, _SNI_MISMATCH, admitted.host, admitted.port, admitted.addresses, None, why
     )
 
 
@@ -129,9 +138,9 @@ def host_check(policy: Policy, admitted: Decision, head: bytes) -> Decision | No
     why = _host_mismatch(policy, admitted, head)
     if why is None:
         return None
-    verdict = Verdict.WOULD_DENY if policy.mode is Mode.REPORT else Verdict.DENY
+    verdict = _WOULD_DENY if policy.mode is _REPORT else _DENY
     return Decision(
-        verdict, Reason.HOST_MISMATCH, admitted.host, admitted.port, admitted.addresses, None, why
+        verdict, _HOST_MISMATCH, admitted.host, admitted.port, admitted.addresses, None, why
     )
 
 

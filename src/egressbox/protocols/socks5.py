@@ -33,9 +33,14 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, IntEnum, auto
+from typing import Final
 
 from egressbox.errors import EgressboxError, Reason
 from egressbox.hosts import IPAddress, canonical_ip_text
+
+# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
+# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+_BAD_HOST: Final = Reason.BAD_HOST
 
 SOCKS_VERSION = 0x05
 SOCKS4_VERSION = 0x04
@@ -393,7 +398,7 @@ class Socks5Server:
 
     def _refuse_bad_host(self, message: str) -> Socks5Error:
         reply = _reply(BAD_HOST_REPLY)
-        return self._refuse(reply, f"bad host: {message}", BAD_HOST_REPLY, Reason.BAD_HOST)
+        return self._refuse(reply, f"bad host: {message}", BAD_HOST_REPLY, _BAD_HOST)
 
 
 def _check_greeting_version(first: int) -> None:

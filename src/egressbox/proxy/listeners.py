@@ -14,7 +14,7 @@ import contextlib
 import functools
 import ipaddress
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Final, cast
 
 from egressbox.audit import AuditProtocol, AuditRecord
 from egressbox.deadlines import Deadline, wheel
@@ -34,6 +34,14 @@ from egressbox.protocols.proxy_header import (
 from egressbox.proxy.gate import ProxyState, stderr_log
 from egressbox.proxy.tunnel import Connection
 from egressbox.replies import dial_http_status, dial_socks_code, http_status, socks_code
+
+# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
+# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+_CONNECT: Final = AuditProtocol.CONNECT
+_DENY: Final = Verdict.DENY
+_HTTP: Final = AuditProtocol.HTTP
+_SOCKS5: Final = AuditProtocol.SOCKS5
+_TCP: Final = AuditProtocol.TCP
 
 # After a refusal, read and drop what the client still sends for this long
 # before closing, so that closing with unread data does not reset the
@@ -85,7 +93,7 @@ class _Lingering(Connection):
 class HttpConnection(_Lingering):
     """The HTTP listener: CONNECT tunnels and absolute-form plain HTTP forwarding."""
 
-    protocol_name = AuditProtocol.CONNECT
+    protocol_name = _CONNECT
 
     def __init__(self, state: ProxyState) -> None:
         super().__init__(state)
@@ -117,12 +125,12 @@ class HttpConnection(_Lingering):
         else:
             from egressbox.proxy.forward import start_forwarding
 
-            self.protocol_name = AuditProtocol.HTTP
+            self.protocol_name = _HTTP
             start_forwarding(self, head, self.parser.trailing)
 
     async def bad_port(self, connect: bool) -> None:
         """A target port outside 1-65535 is a decision (bad_port), audited like any other."""
-        self.protocol_name = AuditProtocol.CONNECT if connect else AuditProtocol.HTTP
+        self.protocol_name = _CONNECT if connect else _HTTP
         self.refuse(self.bad_port_decision())
 
     def take_back(
@@ -131,7 +139,7 @@ class HttpConnection(_Lingering):
         """A CONNECT after plain requests the forwarder served: this protocol takes the
         transport again and decides it (audited) like a first request."""
         self.transport = transport
-        self.protocol_name = AuditProtocol.CONNECT
+        self.protocol_name = _CONNECT
         transport.set_protocol(self)
         self.begin(head.host, head.port, to_upstream)
 
@@ -152,7 +160,7 @@ class HttpConnection(_Lingering):
 class SocksConnection(_Lingering):
     """The SOCKS5 listener (RFC 1928, optional RFC 1929 credentials)."""
 
-    protocol_name = AuditProtocol.SOCKS5
+    protocol_name = _SOCKS5
 
     def __init__(self, state: ProxyState) -> None:
         super().__init__(state)
@@ -189,7 +197,7 @@ class SocksConnection(_Lingering):
         self.reply_and_close(out)
 
     def audit_bad_target(self, reason: Reason) -> None:
-        record = AuditRecord.create(self.protocol_name, INVALID_HOST_TEXT, 0, Verdict.DENY, reason)
+        record = AuditRecord.create(self.protocol_name, INVALID_HOST_TEXT, 0, _DENY, reason)
         # On failure emit() has already stopped admission and said why.
         with contextlib.suppress(AuditError):
             self.state.emit(record)
@@ -217,7 +225,7 @@ class CapturedConnection(Connection):
     address is an IP-literal request. Nothing is answered: an allowed connection simply
     works (dialled to the checked addresses, its TLS name checked); a refused one is reset."""
 
-    protocol_name = AuditProtocol.TCP
+    protocol_name = _TCP
 
     def __init__(self, state: ProxyState) -> None:
         super().__init__(state)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from typing import cast
+from typing import Final, cast
 
 from egressbox.audit import (
     AuditProtocol,
@@ -35,6 +35,14 @@ from egressbox.relay import (
 # Imported at run time: compiled dataclasses resolve their field types.
 from egressbox.sni import FirstBytes, checks_names
 
+# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
+# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+_AUDIT_UNAVAILABLE: Final = Reason.AUDIT_UNAVAILABLE
+_BAD_PORT: Final = Reason.BAD_PORT
+_CONNECT: Final = AuditProtocol.CONNECT
+_TCP: Final = AuditProtocol.TCP
+_TOO_MANY_CONNECTIONS: Final = Reason.TOO_MANY_CONNECTIONS
+
 
 class Connection(asyncio.Protocol):
     """Common state of a client connection before it becomes a tunnel.
@@ -45,7 +53,7 @@ class Connection(asyncio.Protocol):
     relay. Subclasses say how to refuse and what to answer on success.
     """
 
-    protocol_name = AuditProtocol.CONNECT
+    protocol_name = _CONNECT
 
     def __init__(self, state: ProxyState) -> None:
         self.state = state
@@ -242,7 +250,7 @@ class Connection(asyncio.Protocol):
                 log=state.diagnostic if state.log is not None else None,
                 # A captured connection's target is the name the child looked up: a plain
                 # HTTP request on it must name that host too.
-                check_host=self.protocol_name is AuditProtocol.TCP,
+                check_host=self.protocol_name is _TCP,
             )
             self.first.start(self.established(upstream), to_upstream)
             return
@@ -318,11 +326,11 @@ class Connection(asyncio.Protocol):
     def bad_port_decision(self) -> Decision:
         """A target port outside 1-65535 is a decision (bad_port), audited like any other."""
         message = "bad port: use a decimal number from 1 to 65535"
-        decision = bad_target(HostError(Reason.BAD_PORT, message))
+        decision = bad_target(HostError(_BAD_PORT, message))
         try:
             self.record(decision)
         except AuditError:
-            decision = bad_target(HostError(Reason.AUDIT_UNAVAILABLE, "audit log unavailable"))
+            decision = bad_target(HostError(_AUDIT_UNAVAILABLE, "audit log unavailable"))
         return decision
 
     async def decide(self, host: str, port: int | str) -> Decision:
@@ -340,7 +348,7 @@ class Connection(asyncio.Protocol):
         if self.state.log is None:
             return  # no diagnostics wanted: build no text
         target = format_authority(decision.host, decision.port) if decision.port else decision.host
-        if decision.reason is Reason.TOO_MANY_CONNECTIONS:
+        if decision.reason is _TOO_MANY_CONNECTIONS:
             # Which client is over its cap (behind a balancer: the one the PROXY header named).
             extra = f"client {self.client}" + (f"; {extra}" if extra else "")
         tail = f" ({extra})" if extra else ""
