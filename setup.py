@@ -24,6 +24,7 @@ COMPILED = [
     "src/egressbox/protocols/tls.py",  # the first bytes of every tunnel (the TLS name check)
     "src/egressbox/hosts.py",
     "src/egressbox/addresses.py",
+    "src/egressbox/audit.py",  # one record per decision, before the reply
     "src/egressbox/rules.py",
     "src/egressbox/decide.py",
     "src/egressbox/egress.py",

@@ -5,11 +5,13 @@ Files are real (tmp_path); concurrency and crash tests use real child processes.
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import gzip
 import json
 import os
+import pickle
 import select
 import signal
 import stat
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, cast
@@ -287,6 +289,33 @@ def test_record_is_frozen() -> None:
     record = make()
     with pytest.raises(AttributeError):
         record.host = "other"  # type: ignore[misc]
+
+
+def test_values_copy_and_pickle_as_themselves() -> None:
+    # Compiled too, where the frozen classes are remade by their __init__ (__reduce__).
+    record = make(host="copy.example", port=8443)
+    values: list[object] = [
+        record,
+        MalformedLine("audit.jsonl", 3, "not valid JSON"),
+        RecordFilter(host="*.Example.COM", port=443, since=T0),
+        summarize([record])[0],
+    ]
+    for value in values:
+        for copied in (copy.copy(value), copy.deepcopy(value), pickle.loads(pickle.dumps(value))):
+            assert copied == value
+            assert type(copied) is type(value)
+
+
+def test_errors_keep_their_cause_or_hide_their_context() -> None:
+    # `raise ... from exc` and `from None` hold compiled as well (see audit._chained).
+    with pytest.raises(InvalidRecordError, match="not valid JSON") as caught:
+        AuditRecord.from_json("{")
+    assert caught.value.__cause__ is None
+    assert caught.value.__suppress_context__
+    with pytest.raises(AuditError, match="cannot read audit log") as unreadable:
+        next(read_records("/nonexistent/audit.jsonl"))
+    assert isinstance(unreadable.value.__cause__, FileNotFoundError)
+    assert unreadable.value.__suppress_context__
 
 
 # --------------------------------------------------------------------------- file sink
@@ -1278,13 +1307,26 @@ def test_decision_line_leaves_the_unusual_to_the_record() -> None:
             AuditRecord.create(*bad)
 
 
+@pytest.fixture
+def line_tails() -> Iterator[dict[tuple[str, int, AuditProtocol, Verdict, Reason], str]]:
+    """decision_line's cache of line tails, empty for the test and as it was after it.
+
+    Emptied in place rather than replaced: compiled, decision_line holds the dict itself
+    (a Final), not the module attribute a monkeypatch would swap."""
+    tails = audit._line_tails
+    saved = dict(tails)
+    tails.clear()
+    yield tails
+    tails.clear()
+    tails.update(saved)
+
+
 def test_decision_line_of_fields_seen_before_is_still_the_records_line(
-    monkeypatch: pytest.MonkeyPatch,
+    line_tails: dict[tuple[str, int, AuditProtocol, Verdict, Reason], str],
 ) -> None:
     # The text after the timestamp is kept per (host, port, protocol, decision, reason):
     # the same fields at other instants, and other fields for the same host, still give
     # each record's own line.
-    monkeypatch.setattr(audit, "_line_tails", {})
     instants = (1_796_036_896_123_456_789, 1_796_036_897_000_000_000, 1_796_036_896_123_999_999)
     host, port = "repeat.example", 8443
     for decision, reason in (
@@ -1295,22 +1337,24 @@ def test_decision_line_of_fields_seen_before_is_still_the_records_line(
             args = (AuditProtocol.SOCKS5, host, port, decision, reason)
             line = decision_line(*args, now_ns=now_ns)
             assert line == AuditRecord(stamped(now_ns), *args).to_json()
-    assert len(audit._line_tails) == 2
+    assert len(line_tails) == 2
     # A host the guard refuses never gets an entry, however often it is asked for.
     bad = (AuditProtocol.CONNECT, "a b", 80, Verdict.DENY, Reason.BAD_HOST)
     for now_ns in instants:
         assert decision_line(*bad, now_ns=now_ns) is None
-    assert len(audit._line_tails) == 2
+    assert len(line_tails) == 2
 
 
-def test_decision_line_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(audit, "_line_tails", {})
-    monkeypatch.setattr(audit, "_TAIL_CACHE_SIZE", 3)
+def test_decision_line_cache_is_bounded(
+    line_tails: dict[tuple[str, int, AuditProtocol, Verdict, Reason], str],
+) -> None:
+    # At its own bound (a Final: compiled code does not see a patched one), and past it.
+    size = audit._TAIL_CACHE_SIZE
     now_ns = 1_796_036_896_123_456_789
-    for index in range(10):
+    for index in range(size + 7):
         args = (AuditProtocol.CONNECT, f"h{index}.example", 443, Verdict.ALLOW, Reason.ALLOWED)
         assert decision_line(*args, now_ns=now_ns) == AuditRecord(stamped(now_ns), *args).to_json()
-        assert len(audit._line_tails) == min(index + 1, 3)  # full: formatted as before
+        assert len(line_tails) == min(index + 1, size)  # full: formatted as before
 
 
 # --------------------------------------------------------------------------- one serializer

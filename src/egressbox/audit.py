@@ -43,8 +43,9 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from json.encoder import encode_basestring_ascii
 from types import TracebackType
-from typing import Any, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, Final, Protocol, Self, TypeVar
 
+from egressbox.audit_sink import AuditSink
 from egressbox.errors import AuditError, Reason, Verdict
 
 __all__ = [
@@ -83,40 +84,40 @@ __all__ = [
 ]
 
 # The contract: these keys, in this order, and no others.
-KEYS = ("ts", "protocol", "host", "port", "decision", "reason")
+KEYS: Final = ("ts", "protocol", "host", "port", "decision", "reason")
 
 # DNS names are at most 253 bytes; 255 leaves room for bracketed IPv6 text.
-MAX_HOST_CHARS = 255
-MAX_PORT = 65535
+MAX_HOST_CHARS: Final = 255
+MAX_PORT: Final = 65535
 
 # Rotated files kept by default (audit.jsonl.1 .. audit.jsonl.5), as logrotate's common
 # "rotate 5"; with --audit-max-bytes 100 MiB that bounds the log to about 600 MiB.
-DEFAULT_KEEP = 5
+DEFAULT_KEEP: Final = 5
 
 # The longest valid record is under 4 KiB (255 host characters, each escaped by ensure_ascii
 # as a 12-byte surrogate pair, plus about 120 bytes for the rest), so anything longer is not a
 # record; the limit bounds the reader's memory on a file that is not an audit log at all.
-MAX_LINE_BYTES = 64 * 1024
+MAX_LINE_BYTES: Final = 64 * 1024
 
 # Characters that never occur in a normalized host or IP text. Separators and controls would
 # let a caller forge lines or fields; '/', '?', '#', '@' and '\\' are how a path, query,
 # fragment or userinfo (a credential) would ride along if a raw URL were passed by mistake.
-_FORBIDDEN_HOST_CHARS = frozenset("/?#@\\")
-_FORBIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zs", "Zl", "Zp"})
+_FORBIDDEN_HOST_CHARS: Final = frozenset("/?#@\\")
+_FORBIDDEN_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Zs", "Zl", "Zp"})
 
 # Hosts made only of these characters need neither escaping in JSON nor a closer look.
-_PLAIN_HOST = re.compile(r"[0-9A-Za-z._:-]{0,255}", re.ASCII)
+_PLAIN_HOST: Final = re.compile(r"[0-9A-Za-z._:-]{0,255}", re.ASCII)
 
-_GZIP_MAGIC = b"\x1f\x8b"
-_SKIP_CHUNK = 64 * 1024
+_GZIP_MAGIC: Final = b"\x1f\x8b"
+_SKIP_CHUNK: Final = 64 * 1024
 
-_RFC3339 = re.compile(
+_RFC3339: Final = re.compile(
     r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?"
     r"(?:[Zz]|([+-])(\d{2}):(\d{2}))",
     re.ASCII,
 )
 # The spelling record_line writes, which datetime.fromisoformat reads directly.
-_RFC3339_WRITTEN = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", re.ASCII)
+_RFC3339_WRITTEN: Final = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", re.ASCII)
 
 _E = TypeVar("_E", bound=StrEnum)
 
@@ -143,6 +144,20 @@ def _show(value: object, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_X = TypeVar("_X", bound=BaseException)
+
+
+def _chained(error: _X, cause: BaseException | None) -> _X:
+    """``error`` with ``cause`` as its cause, as ``raise error from cause`` sets it.
+
+    Compiled code drops a raise statement's ``from`` clause (mypyc does not compile it),
+    so each ``raise ... from cause`` here goes through this as well: the cause is then the
+    same compiled and interpreted, and None hides the context as ``from None`` does.
+    """
+    error.__cause__ = cause  # which also sets __suppress_context__, as `from` does
+    return error
+
+
 # --------------------------------------------------------------------------- the serializer
 
 
@@ -156,8 +171,8 @@ def format_ts(ts: datetime) -> str:
 # The host guard's verdicts, cached: a normalized host that passed it -> its JSON string
 # literal. A proxy meets the same few hundred names over and over; a lookup here replaces
 # the guard's regular expression and the escaping. Bounded: cleared when full.
-_HOST_CACHE_SIZE = 4096
-_host_json: dict[str, str] = {}
+_HOST_CACHE_SIZE: Final = 4096
+_host_json: Final[dict[str, str]] = {}
 
 
 def record_line(
@@ -189,8 +204,11 @@ def record_line(
 
 # The last second whose text was built, and that text up to the seconds ("...T11:08:16"):
 # the proxy writes many records per second, so the text is rebuilt once a second.
-_FIRST_SECOND = datetime.min.replace(tzinfo=UTC)
-_last_second: list[tuple[datetime, str]] = [(_FIRST_SECOND, format_ts(_FIRST_SECOND)[:-5])]
+_FIRST_SECOND: Final = datetime.min.replace(tzinfo=UTC)
+_last_second: Final[list[tuple[datetime, str]]] = [(_FIRST_SECOND, format_ts(_FIRST_SECOND)[:-5])]
+# A ts's text after the seconds, by its millisecond (".000Z" ... ".999Z"): looked up, not
+# formatted, per record.
+_MS_SUFFIX: Final = tuple(f".{ms:03d}Z" for ms in range(1000))
 
 
 def _record_ts(ts: datetime) -> str:
@@ -202,14 +220,13 @@ def _record_ts(ts: datetime) -> str:
     if second != last:
         text = format_ts(second)[:-5]  # drop ".000Z"
         _last_second[0] = (second, text)
-    return f"{text}.{ts.microsecond // 1000:03d}Z"
+    return text + _MS_SUFFIX[ts.microsecond // 1000]
 
 
 # The same for decision_line's clock (Unix nanoseconds), cached per millisecond: the proxy
 # stamps several records within one millisecond under load, and rebuilds the seconds text
 # once a second; the millisecond digits come from a table (no formatting per record).
-_NS_PER_MS = 1_000_000
-_MS_SUFFIX = tuple(f".{ms:03d}Z" for ms in range(1000))
+_NS_PER_MS: Final = 1_000_000
 
 
 class _Stamp:
@@ -225,7 +242,7 @@ class _Stamp:
         self.second: tuple[int, str] = (-1, "")
 
 
-_stamp = _Stamp()
+_stamp: Final = _Stamp()
 
 
 def _ns_ts(now_ns: int) -> str:
@@ -234,7 +251,7 @@ def _ns_ts(now_ns: int) -> str:
     last_ms, text = _stamp.ms
     if ms == last_ms:
         return text
-    second, within = divmod(ms, 1000)
+    second, within = ms // 1000, ms % 1000  # compiled, two native operations; divmod is a call
     last_second, second_text = _stamp.second
     if second != last_second:
         second_text = format_ts(datetime.fromtimestamp(second, UTC))[:-5]  # no ".000Z"
@@ -245,11 +262,11 @@ def _ns_ts(now_ns: int) -> str:
 
 
 def decision_line(
-    protocol: AuditProtocol,
-    host: str,
-    port: int,
-    decision: Verdict,
-    reason: Reason,
+    protocol: object,
+    host: object,
+    port: object,
+    decision: object,
+    reason: object,
     *,
     now_ns: int,
 ) -> str | None:
@@ -261,6 +278,8 @@ def decision_line(
     guard nor formatting runs again). None when a field fails them: build an AuditRecord
     then, which says what is wrong. A test checks the two agree.
     """
+    # The fields are typed object, as AuditRecord's are: compiled, a parameter typed
+    # AuditProtocol would raise TypeError for the string "http" instead of returning None.
     if (
         type(protocol) is not AuditProtocol
         or type(decision) is not Verdict
@@ -286,10 +305,10 @@ def decision_line(
 # members, an int, a str: decision_line checks them first). Bounded: once full, other
 # values are formatted as without it (never cleared: more values than entries, visited
 # in turn, would miss every time, and a miss that fills an entry costs a third more).
-_TAIL_CACHE_SIZE = 4096
-_line_tails: dict[tuple[str, int, AuditProtocol, Verdict, Reason], str] = {}
+_TAIL_CACHE_SIZE: Final = 4096
+_line_tails: Final[dict[tuple[str, int, AuditProtocol, Verdict, Reason], str]] = {}
 # Where every line starts; the timestamp follows.
-_TS_OPEN = '{"ts":"'
+_TS_OPEN: Final = '{"ts":"'
 
 
 def _line_tail(
@@ -322,7 +341,9 @@ def parse_ts(text: object) -> datetime:
             int(year), int(month), int(day), int(hour), int(minute), int(second), micros, UTC
         )
     except ValueError as exc:
-        raise InvalidRecordError(f"ts {_show(text)} is not a valid date and time: {exc}") from None
+        raise _chained(
+            InvalidRecordError(f"ts {_show(text)} is not a valid date and time: {exc}"), None
+        ) from None
 
 
 def _written_ts(text: str) -> datetime:
@@ -330,7 +351,9 @@ def _written_ts(text: str) -> datetime:
     try:
         return datetime.fromisoformat(text)  # "...Z": tzinfo is UTC itself
     except ValueError as exc:
-        raise InvalidRecordError(f"ts {_show(text)} is not a valid date and time: {exc}") from None
+        raise _chained(
+            InvalidRecordError(f"ts {_show(text)} is not a valid date and time: {exc}"), None
+        ) from None
 
 
 def _check_ts(value: object) -> datetime:
@@ -341,7 +364,7 @@ def _check_ts(value: object) -> datetime:
     try:
         utc = value.astimezone(UTC)
     except OverflowError as exc:
-        raise InvalidRecordError(f"ts {value} cannot be expressed in UTC") from exc
+        raise _chained(InvalidRecordError(f"ts {value} cannot be expressed in UTC"), exc) from exc
     # The line carries milliseconds; truncating here makes a record equal its re-read self.
     return utc.replace(microsecond=utc.microsecond // 1000 * 1000)
 
@@ -393,9 +416,9 @@ def _check_port(value: object) -> None:
         raise InvalidRecordError(f"port {value} is out of range 0..{MAX_PORT}")
 
 
-_PROTOCOLS = {member.value: member for member in AuditProtocol}
-_VERDICTS = {member.value: member for member in Verdict}
-_REASONS = {member.value: member for member in Reason}
+_PROTOCOLS: Final = {member.value: member for member in AuditProtocol}
+_VERDICTS: Final = {member.value: member for member in Verdict}
+_REASONS: Final = {member.value: member for member in Reason}
 
 
 def _coerce(kind: type[_E], members: Mapping[str, _E], value: object, name: str) -> _E:
@@ -448,7 +471,7 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class AuditRecord:
     """One decision. Fields are validated (and enum strings coerced) on construction."""
 
@@ -459,28 +482,54 @@ class AuditRecord:
     decision: Verdict
     reason: Reason
 
-    def __post_init__(self) -> None:
-        # Frozen: normalized values go in through the slots' setters, once, here.
-        ts, protocol, _, _, decision, reason = _validated(
-            self.ts, self.protocol, self.host, self.port, self.decision, self.reason
+    def __init__(  # noqa: PLR0917 - the dataclass's own signature, fields in order
+        self,
+        ts: object,
+        protocol: object,
+        host: object,
+        port: object,
+        decision: object,
+        reason: object,
+    ) -> None:
+        # Written out, and taking any values: compiled, the generated __init__'s typed
+        # parameters would refuse a protocol given as its string (coerced here) and report a
+        # bad value as TypeError, not InvalidRecordError. Frozen: the normalized values go in
+        # through object.__setattr__, once, here (compiled, one store into the object each).
+        fields = _validated(ts, protocol, host, port, decision, reason)
+        object.__setattr__(self, "ts", fields[0])
+        object.__setattr__(self, "protocol", fields[1])
+        object.__setattr__(self, "host", fields[2])
+        object.__setattr__(self, "port", fields[3])
+        object.__setattr__(self, "decision", fields[4])
+        object.__setattr__(self, "reason", fields[5])
+
+    def __reduce__(self) -> tuple[type[AuditRecord], _Fields]:
+        # Copied and pickled as its values, remade by __init__: compiled, the default way
+        # (an empty object, then each field set) fails on a frozen class. So for every
+        # frozen class here.
+        return AuditRecord, (
+            self.ts,
+            self.protocol,
+            self.host,
+            self.port,
+            self.decision,
+            self.reason,
         )
-        _set_ts(self, ts)
-        _set_protocol(self, protocol)
-        _set_decision(self, decision)
-        _set_reason(self, reason)
 
     @classmethod
     def create(
         cls,
-        protocol: AuditProtocol,
-        host: str,
-        port: int,
-        decision: Verdict,
-        reason: Reason,
+        protocol: object,
+        host: object,
+        port: object,
+        decision: object,
+        reason: object,
         *,
         now: Callable[[], datetime] | None = None,
     ) -> AuditRecord:
         """A record stamped with the current UTC time (``now`` is the clock seam for tests)."""
+        # Any values, as __init__ takes them (compiled, a parameter typed int would turn
+        # True into 1 before the port check could refuse it).
         clock = _utc_now if now is None else now
         return cls(clock(), protocol, host, port, decision, reason)
 
@@ -507,13 +556,6 @@ class AuditRecord:
         return parse_record(line)
 
 
-# The slots' own setters, for the frozen class: object.__setattr__ would look each slot up
-# by name first (measured: a third of the cost of building a record).
-_set_ts, _set_protocol, _set_host, _set_port, _set_decision, _set_reason = (
-    AuditRecord.__dict__[name].__set__ for name in KEYS
-)
-
-
 # --------------------------------------------------------------------------- the parser
 
 # A lexer for the lines record_line writes, and for any line of the same shape: the six
@@ -522,8 +564,8 @@ _set_ts, _set_protocol, _set_host, _set_port, _set_decision, _set_reason = (
 # raw '"', '\\' or control character; a bounded integer literal is an int), so it only
 # saves the time of json.loads; every other line goes to json.loads. Either way the values
 # then meet the same validation, AuditRecord's. A property test checks the equivalence.
-_STRING = r'"([^"\\\x00-\x1f]*)"'
-_LINE_SHAPE = re.compile(
+_STRING: Final = r'"([^"\\\x00-\x1f]*)"'
+_LINE_SHAPE: Final = re.compile(
     r'\{"ts":"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)",'  # format_ts's spelling
     rf'"protocol":{_STRING},"host":{_STRING},'
     rf'"port":(-?(?:0|[1-9][0-9]{{0,17}})),"decision":{_STRING},"reason":{_STRING}\}}\n?',
@@ -548,11 +590,11 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _load_object(line: str) -> dict[str, Any]:
     try:
         data = json.loads(line, object_pairs_hook=_reject_duplicates)
-    except _DuplicateKeyError as exc:
-        raise InvalidRecordError(str(exc)) from None
+    except _DuplicateKeyError as duplicate:  # its own name: compiled, a name has one type
+        raise _chained(InvalidRecordError(str(duplicate)), None) from None
     except (ValueError, RecursionError) as exc:
         # ValueError covers JSONDecodeError and over-long integer literals.
-        raise InvalidRecordError(f"not valid JSON: {exc}") from None
+        raise _chained(InvalidRecordError(f"not valid JSON: {exc}"), None) from None
     if not isinstance(data, dict):
         raise InvalidRecordError(f"expected a JSON object, got {type(data).__name__}")
     return data
@@ -582,39 +624,24 @@ def parse_record(line: str) -> AuditRecord:
     match = _LINE_SHAPE.fullmatch(line)
     if match is not None:
         ts, protocol, host, port, decision, reason = match.groups()
-        fields = _validated(_written_ts(ts), protocol, host, int(port), decision, reason)
-    else:  # any other spelling of an object: json.loads reads it
-        data = _load_object(line)
-        _check_keys(data)
-        fields = _validated(
-            parse_ts(data["ts"]),
-            data["protocol"],
-            data["host"],
-            data["port"],
-            data["decision"],
-            data["reason"],
-        )
-    # Validated once, by _validated: __init__ would only do it again.
-    record = object.__new__(AuditRecord)
-    _set_ts(record, fields[0])
-    _set_protocol(record, fields[1])
-    _set_host(record, fields[2])
-    _set_port(record, fields[3])
-    _set_decision(record, fields[4])
-    _set_reason(record, fields[5])
-    return record
+        return AuditRecord(_written_ts(ts), protocol, host, int(port), decision, reason)
+    # Any other spelling of an object: json.loads reads it.
+    data = _load_object(line)
+    _check_keys(data)
+    return AuditRecord(
+        parse_ts(data["ts"]),
+        data["protocol"],
+        data["host"],
+        data["port"],
+        data["decision"],
+        data["reason"],
+    )
 
 
 # --------------------------------------------------------------------------- sinks
 
-
-@runtime_checkable
-class AuditSink(Protocol):
-    """Where records go. write() raises AuditError on failure and never swallows it."""
-
-    def write(self, record: AuditRecord) -> None: ...
-
-    def close(self) -> None: ...
+# Every sink here is an AuditSink, the protocol (imported above) that isinstance() checks:
+# it lives in egressbox.audit_sink, interpreted, because compiled it could not be checked.
 
 
 class _FdSink:
@@ -647,7 +674,9 @@ class _FdSink:
         try:
             written = os.write(fd, data)
         except OSError as exc:
-            raise AuditError(f"cannot write audit record to {self._name}: {exc}") from exc
+            raise _chained(
+                AuditError(f"cannot write audit record to {self._name}: {exc}"), exc
+            ) from exc
         if written != len(data):
             self._torn = not _end_line(fd)
             raise _short_write(self._name, written, len(data))
@@ -661,7 +690,9 @@ class _FdSink:
             os.close(fd)
         except OSError as exc:
             # close() can report a deferred write error (NFS); records may be lost.
-            raise AuditError(f"closing audit log {self._name} failed: {exc}") from exc
+            raise _chained(
+                AuditError(f"closing audit log {self._name} failed: {exc}"), exc
+            ) from exc
 
     def __enter__(self) -> Self:
         return self
@@ -690,7 +721,7 @@ def _end_line(fd: int) -> bool:
         return False
 
 
-_FILE_KINDS = (
+_FILE_KINDS: Final = (
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISFIFO, "a FIFO"),
     (stat.S_ISCHR, "a character device"),
@@ -704,7 +735,7 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
 
 
-_SYMLINK_WHY = (
+_SYMLINK_WHY: Final = (
     "is a symbolic link; refusing to follow it (O_NOFOLLOW) so that a planted link "
     "cannot redirect the audit log"
 )
@@ -726,7 +757,7 @@ def _open_append(path: str, mode: int) -> tuple[int, os.stat_result]:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise AuditError(f"cannot open audit log {path}: {exc.strerror}") from exc
+        raise _chained(AuditError(f"cannot open audit log {path}: {exc.strerror}"), exc) from exc
     # O_NOFOLLOW covers the last path component only, which is the one a planted link would
     # replace. O_NONBLOCK keeps a FIFO swapped in after the lstat from blocking the open;
     # O_NOCTTY keeps a terminal from becoming our controlling one.
@@ -735,7 +766,7 @@ def _open_append(path: str, mode: int) -> tuple[int, os.stat_result]:
     try:
         fd = os.open(path, flags, mode)
     except OSError as exc:
-        raise _describe_open_error(path, exc) from exc
+        raise _chained(_describe_open_error(path, exc), exc) from exc
     try:
         info = os.fstat(fd)
         _refuse_special(path, info.st_mode)
@@ -757,7 +788,7 @@ def _describe_open_error(path: str, exc: OSError) -> AuditError:
 
 
 # How much of a file's end is read to tell a fragment from a blanked one.
-_TAIL_PEEK = 8192
+_TAIL_PEEK: Final = 8192
 
 
 def _ends_in_fragment(path: str, info: os.stat_result) -> bool:
@@ -804,19 +835,19 @@ def end_torn_tail(path: str) -> None:
 
 # Writers a file sink's reserve is sized for by default: every `serve --workers N` up to 64
 # (each worker has its own sink on the file), and then some.
-DEFAULT_WRITERS = 64
+DEFAULT_WRITERS: Final = 64
 # A sink looks at the reserve before a write that takes its own bytes since the last look
 # past this: more than the longest valid record, so a look per record is never needed.
-_CHECK_BYTES = 4096
+_CHECK_BYTES: Final = 4096
 # Reserved at a time when the reserve runs low (at least twice the margin).
-_RESERVE_CHUNK = 1 << 20
-_FALLOC_FL_KEEP_SIZE = 0x01
+_RESERVE_CHUNK: Final = 1 << 20
+_FALLOC_FL_KEEP_SIZE: Final = 0x01
 # fallocate errors that mean "not here" (the file system or the kernel cannot): reserving
 # is then given up for that file, and a short write's fragment is blanked instead.
-_UNSUPPORTED = frozenset(
+_UNSUPPORTED: Final = frozenset(
     {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.EPERM, errno.EACCES}
 )
-_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_NO_ROOM: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 Allocate = Callable[[int, int, int], int]
 
@@ -848,17 +879,19 @@ def _libc_fallocate() -> Allocate | None:
     return allocate
 
 
-def _allocate(fd: int, offset: int, length: int) -> int:
-    """Reserve ``length`` bytes from ``offset`` without changing the size: 0 or an errno.
-
-    A module-level seam: tests replace it to run a sink as on a file system without
-    fallocate.
-    """
+def _fallocate(fd: int, offset: int, length: int) -> int:
+    """Reserve ``length`` bytes from ``offset`` without changing the size: 0 or an errno."""
     call = _libc_fallocate()
     return errno.ENOSYS if call is None else call(fd, offset, length)
 
 
-def _blank(fd: int, fragment: bytes, offset: int) -> bool:
+# A module-level seam: tests replace it to run a sink as on a file system without
+# fallocate. A variable, not the def itself, so that compiled callers look it up at each
+# call as interpreted ones do (a call per ~0.75 MiB written).
+_allocate: Allocate = _fallocate
+
+
+def _blank_in_place(fd: int, fragment: bytes, offset: int) -> bool:
     """Overwrite ``fragment`` at ``offset`` in fd's file with as many spaces; True if done.
 
     Through a second, non-appending descriptor on the same file (pwrite on an O_APPEND
@@ -881,6 +914,11 @@ def _blank(fd: int, fragment: bytes, offset: int) -> bool:
         return False
     finally:
         os.close(other)
+
+
+# A seam as _allocate is (tests make it fail, or let another writer append first); called
+# after a short write only.
+_blank: Callable[[int, bytes, int], bool] = _blank_in_place
 
 
 class JsonlFileSink(_FdSink):
@@ -983,9 +1021,12 @@ class JsonlFileSink(_FdSink):
             if self._unchecked + size > _CHECK_BYTES:
                 failed = self._reserve()
                 if failed is not None:
-                    raise AuditError(
-                        f"cannot write audit record to {self.path}: cannot reserve space "
-                        f"ahead of its end ({failed}); the record was not written"
+                    raise _chained(
+                        AuditError(
+                            f"cannot write audit record to {self.path}: cannot reserve space "
+                            f"ahead of its end ({failed}); the record was not written"
+                        ),
+                        failed,
                     ) from failed
             self._unchecked += size
             self._size += size
@@ -1032,7 +1073,9 @@ class JsonlFileSink(_FdSink):
         try:
             written = os.write(fd, data)
         except OSError as exc:
-            raise AuditError(f"cannot write audit record to {self.path}: {exc}") from exc
+            raise _chained(
+                AuditError(f"cannot write audit record to {self.path}: {exc}"), exc
+            ) from exc
         if written != len(data):
             self._torn = not self._blank_short_write(fd, data[:written], lead)
             raise _short_write(self.path, written, len(data))
@@ -1099,7 +1142,9 @@ class JsonlFileSink(_FdSink):
         try:
             self._size = os.fstat(self.fileno()).st_size
         except OSError as exc:
-            raise AuditError(f"cannot check the size of audit log {self.path}: {exc}") from exc
+            raise _chained(
+                AuditError(f"cannot check the size of audit log {self.path}: {exc}"), exc
+            ) from exc
         if self._size > 0 and self._size + needed > self.max_bytes:
             self._rotate()
 
@@ -1109,7 +1154,7 @@ class JsonlFileSink(_FdSink):
             if _same_file(self.path, fd):
                 shift_rotated(self.path, self.keep)
         except OSError as exc:
-            raise AuditError(f"cannot rotate audit log {self.path}: {exc}") from exc
+            raise _chained(AuditError(f"cannot rotate audit log {self.path}: {exc}"), exc) from exc
         # If the path no longer names our file, someone else rotated it: just reopen.
         self._swap()
 
@@ -1157,7 +1202,7 @@ def shift_rotated(path: str, keep: int) -> None:
     os.replace(path, rotated_name(path, 1))
 
 
-_ROTATED_SUFFIX = re.compile(r"\.([1-9][0-9]{0,5})(\.gz)?", re.ASCII)
+_ROTATED_SUFFIX: Final = re.compile(r"\.([1-9][0-9]{0,5})(\.gz)?", re.ASCII)
 
 
 def rotation_index(path: str, base: str) -> int | None:
@@ -1223,7 +1268,7 @@ class CallbackSink(_ClosableSink):
         except AuditError:
             raise
         except Exception as exc:
-            raise AuditError(f"audit callback failed: {exc!r}") from exc
+            raise _chained(AuditError(f"audit callback failed: {exc!r}"), exc) from exc
 
 
 class MemorySink(_ClosableSink):
@@ -1260,7 +1305,7 @@ class TeeSink:
         if failures:
             detail = "; ".join(str(exc) or repr(exc) for exc in failures)
             message = f"{len(failures)} of {len(self.sinks)} audit sinks failed to {verb}: "
-            raise AuditError(message + detail) from failures[0]
+            raise _chained(AuditError(message + detail), failures[0]) from failures[0]
 
 
 # --------------------------------------------------------------------------- reading
@@ -1277,8 +1322,11 @@ class MalformedLine:
     def __str__(self) -> str:
         return f"{self.source or '<input>'}:{self.line_number}: {self.error}"
 
+    def __reduce__(self) -> tuple[type[MalformedLine], tuple[str, int, str]]:
+        return MalformedLine, (self.source, self.line_number, self.error)  # see AuditRecord's
 
-_TORN = "torn final line (no trailing newline): a writer stopped mid-record"
+
+_TORN: Final = "torn final line (no trailing newline): a writer stopped mid-record"
 
 
 def _blanked(tail: str | bytes) -> bool:
@@ -1351,7 +1399,7 @@ def _decode_line(raw: bytes | None, source: str, number: int) -> AuditRecord | M
 
 # Lines between two progress reports: often enough for a smooth bar, rare enough that the
 # tell() it costs (one lseek) is lost in the noise.
-_PROGRESS_EVERY = 4096
+_PROGRESS_EVERY: Final = 4096
 
 Progress = Callable[[int], None]
 
@@ -1379,7 +1427,7 @@ def _records_from(
         # A truncated or damaged .gz: report where the readable part ended, keep the rest.
         yield MalformedLine(source, number + 1, f"compressed data is damaged: {exc}")
     except OSError as exc:
-        raise AuditError(f"cannot read audit log {source}: {exc}") from exc
+        raise _chained(AuditError(f"cannot read audit log {source}: {exc}"), exc) from exc
     if tick is not None:
         tick()
 
@@ -1409,7 +1457,7 @@ def read_records(
     try:
         raw = open(source, "rb")  # noqa: SIM115 - closed by the with below, in the generator
     except OSError as exc:
-        raise AuditError(f"cannot read audit log {source}: {exc.strerror}") from exc
+        raise _chained(AuditError(f"cannot read audit log {source}: {exc.strerror}"), exc) from exc
     with raw:
         tick = None
         if progress is not None and raw.seekable():
@@ -1432,8 +1480,8 @@ def read_stream(
 
 # How often --follow looks for new lines, a rotation or a truncation: a quarter second
 # feels live on a terminal and costs one stat and one read per poll.
-FOLLOW_POLL_SECONDS = 0.25
-_FOLLOW_CHUNK = 64 * 1024
+FOLLOW_POLL_SECONDS: Final = 0.25
+_FOLLOW_CHUNK: Final = 64 * 1024
 
 
 class _Tail:
@@ -1453,7 +1501,9 @@ class _Tail:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
-            raise AuditError(f"cannot read audit log {path}: {exc.strerror}") from exc
+            raise _chained(
+                AuditError(f"cannot read audit log {path}: {exc.strerror}"), exc
+            ) from exc
         return cls(path, fd)
 
     def close(self) -> None:
@@ -1616,6 +1666,17 @@ class RecordFilter:
         if self.host is not None:
             object.__setattr__(self, "host", self.host.lower())
 
+    def __reduce__(self) -> tuple[type[RecordFilter], tuple[object, ...]]:
+        return RecordFilter, (  # see AuditRecord's
+            self.decision,
+            self.host,
+            self.port,
+            self.protocol,
+            self.reason,
+            self.since,
+            self.until,
+        )
+
     def matches(self, record: AuditRecord) -> bool:
         return (
             (self.decision is None or record.decision == self.decision)
@@ -1639,6 +1700,17 @@ class SummaryRow:
     reasons: Mapping[Reason, int]
     first_ts: datetime
     last_ts: datetime
+
+    def __reduce__(self) -> tuple[type[SummaryRow], tuple[object, ...]]:
+        return SummaryRow, (  # see AuditRecord's
+            self.host,
+            self.port,
+            self.total,
+            self.decisions,
+            self.reasons,
+            self.first_ts,
+            self.last_ts,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, for ``egressbox audit --summary --json``."""
