@@ -29,6 +29,7 @@ COMPILED = [
     "src/egressbox/decide.py",
     "src/egressbox/egress.py",
     "src/egressbox/deadlines.py",  # every connection arms three or four timeouts
+    "src/egressbox/eventloop.py",  # two transports a tunnel enter its table
     "src/egressbox/dial.py",
     "src/egressbox/relay.py",
     "src/egressbox/sni.py",  # the first client bytes of every tunnel (the TLS name check)

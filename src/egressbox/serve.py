@@ -28,6 +28,7 @@ from egressbox.audit import (
     end_torn_tail,
 )
 from egressbox.errors import AuditError, PolicyError, print_policy_error
+from egressbox.eventloop import import_uvloop
 from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
 from egressbox.fleet import Prepared, ServingProcess
 from egressbox.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
@@ -94,9 +95,8 @@ def raise_nofile_limit() -> int:
 
 def run_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     """Run `main` on uvloop when it is installed (faster relay), else asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
+    uvloop = import_uvloop()
+    if uvloop is None:
         return asyncio.run(main())
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main())
