@@ -526,4 +526,7 @@ def _refuses(address: tuple[str, int]) -> bool:
         socket.create_connection(address, timeout=IO_TIMEOUT).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        # The listener is closing as the SYN arrives; the next poll is refused.
+        return False
     return False

@@ -358,6 +358,11 @@ def wait_refused(address: tuple[str, int]) -> None:
             probe = socket.create_connection(address, timeout=IO_TIMEOUT)
         except ConnectionRefusedError:
             return
+        except ConnectionResetError:
+            # A SYN that meets the listener while it closes is answered with
+            # a reset: it is going away, and the next probe is refused.
+            time.sleep(POLL)
+            continue
         probe.close()
         time.sleep(POLL)
     pytest.fail(f"{address} still accepts connections")
