@@ -28,7 +28,6 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple, NoReturn
 
@@ -112,18 +111,19 @@ def launcher_main(plan: LaunchPlan, chan_fd: int) -> NoReturn:
     os._exit(code)
 
 
-# Mutable state of one run, compared by identity: no generated __eq__/__repr__ (each one
-# more exec at import, on the start-up path).
-@dataclass(eq=False, repr=False)
+# Mutable state of one run, compared by identity. A plain class, not a dataclass: the
+# decorator compiles its __init__ at import, and `egressbox run` imports this module before
+# its fork (it would import dataclasses for it too).
 class _Progress:
     """How far the launcher got, and what it applied."""
 
-    listening_sent: bool = False
-    # What was really applied, reported to the parent just before exec.
-    applied: dict[str, Any] = field(default_factory=dict)
-    etc_hidden: list[str] | None = None
-    # Why libnftables could not be loaded (capture is then not applied).
-    capture_unloadable: str = ""
+    def __init__(self) -> None:
+        self.listening_sent = False
+        # What was really applied, reported to the parent just before exec.
+        self.applied: dict[str, Any] = {}
+        self.etc_hidden: list[str] | None = None
+        # Why libnftables could not be loaded (capture is then not applied).
+        self.capture_unloadable = ""
 
     @property
     def captured(self) -> bool:

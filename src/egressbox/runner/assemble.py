@@ -12,7 +12,6 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from egressbox.confine import netns
@@ -69,9 +68,9 @@ from egressbox.runner.workspace import (
 )
 
 
-# Mutable state of one run, compared by identity: no generated __eq__/__repr__ (each one
-# more exec at import, on the start-up path).
-@dataclass(eq=False, repr=False)
+# Mutable state of one run, compared by identity. A plain class, not a dataclass: the
+# decorator compiles its __init__ at import, on the start-up path (and dataclasses itself
+# would be imported before the fork for it).
 class Prepared:
     """Everything decided before the fork."""
 
@@ -79,26 +78,54 @@ class Prepared:
     report: list[MechanismReport]
     host_listeners: list[socket.socket]
     network_boundary: Enforcement
-    warnings: list[str] = field(default_factory=list)
-    homes: tuple[str, ...] = ()  # the caller's home and the child's, for refusal records
-    roots: list[RootReport] = field(default_factory=list)
-    profile: Profile = Profile.WORKSPACE_PATHS
+    warnings: list[str]
+    homes: tuple[str, ...]  # the caller's home and the child's, for refusal records
+    roots: list[RootReport]
+    profile: Profile
     # Host-trusted paths absent before the run: one that appears was made by the command.
-    created_watch: tuple[str, ...] = ()
+    created_watch: tuple[str, ...]
     # Why the run does not capture ("" when the launcher is asked to).
-    capture_off: str = ""
+    capture_off: str
     # One line per root added beyond the workspace (said before the command starts).
-    announcements: list[str] = field(default_factory=list)
+    announcements: list[str]
     # Toolchain cache locations a refusal may name (confine/toolchains.py).
-    caches: tuple[CacheRoot, ...] = ()
-    cache_mode: CacheMode = CacheMode.SCRATCH
+    caches: tuple[CacheRoot, ...]
+    cache_mode: CacheMode
     # The child's message locale when it is not English (LC_ALL/LC_MESSAGES the caller set).
-    foreign_locale: str = ""
-    started: float = 0.0  # time.time() when the run was planned (kernel records after it)
+    foreign_locale: str
+    started: float  # time.time() when the run was planned (kernel records after it)
     # Made on the host for this run only (a read-only workspace's scratch without a mount
     # namespace): removed when the run ends.
-    cleanup: list[str] = field(default_factory=list)
-    read_only_workspaces: tuple[str, ...] = ()  # --read-only-workspace, for refusal hints
+    cleanup: list[str]
+    read_only_workspaces: tuple[str, ...]  # --read-only-workspace, for refusal hints
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        report: list[MechanismReport],
+        host_listeners: list[socket.socket],
+        network_boundary: Enforcement,
+        *,
+        warnings: list[str] | None = None,
+        homes: tuple[str, ...] = (),
+    ) -> None:
+        self.plan = plan
+        self.report = report
+        self.host_listeners = host_listeners
+        self.network_boundary = network_boundary
+        self.warnings = [] if warnings is None else warnings
+        self.homes = homes
+        self.roots = []
+        self.profile = Profile.WORKSPACE_PATHS
+        self.created_watch = ()
+        self.capture_off = ""
+        self.announcements = []
+        self.caches = ()
+        self.cache_mode = CacheMode.SCRATCH
+        self.foreign_locale = ""
+        self.started = 0.0
+        self.cleanup = []
+        self.read_only_workspaces = ()
 
 
 class _Roots(NamedTuple):
@@ -205,7 +232,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
     report, network = enforcement_report(profile, chosen, capture_off=capture_off)
     homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
-    prepared = Prepared(plan, report, listeners, network, warnings, homes)
+    prepared = Prepared(plan, report, listeners, network, warnings=warnings, homes=homes)
     prepared.roots = _root_report(roots, executable.grants)
     prepared.profile = profile
     prepared.created_watch = tuple(p for p in trusted if not os.path.lexists(p))

@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from egressbox.confine import netns
@@ -68,9 +67,9 @@ PROXY_ROLES = ("http", "socks")
 CAPTURE_ROLES = ("capture", "dns_udp", "dns_tcp")
 
 
-# Mutable state of one run, compared by identity: no generated __eq__/__repr__ (each one
-# more exec at import, on the start-up path).
-@dataclass(eq=False, repr=False)
+# Mutable state of one run, compared by identity. A plain class, not a dataclass: the
+# decorator compiles its __init__ at import, on the start-up path. The class attributes are
+# the defaults of what __init__ does not set.
 class Launched:
     """A launcher that is running, and the sockets of its child's namespace.
 
@@ -106,9 +105,23 @@ class Launched:
     capture: socket.socket | None = None
     dns_udp: socket.socket | None = None
     dns_tcp: socket.socket | None = None
-    ports: dict[str, int] = field(default_factory=dict)
+    ports: dict[str, int]
     # The launcher captured and the sockets were kept for this run's proxy (SERVE_CAPTURE).
     capture_served: bool = False
+
+    def __init__(
+        self,
+        pid: int,
+        listeners: list[socket.socket],
+        *,
+        chan: socket.socket | None = None,
+        tee: StderrTee | TerminalRelay | None = None,
+    ) -> None:
+        self.pid = pid
+        self.listeners = listeners
+        self.chan = chan
+        self.tee = tee
+        self.ports = {}
 
     def capture_sockets(self) -> list[socket.socket]:
         """The capture and DNS sockets still held (to serve, or to watch for a first client)."""

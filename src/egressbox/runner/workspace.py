@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from egressbox.confine.plan import expand_user, is_under
 from egressbox.confine.toolchains import MISSING
@@ -22,19 +21,25 @@ READ_ONLY_SCRATCH = "/tmp/egressbox-scratch"
 ANNOUNCE = "sandbox active; "
 
 
-# Mutable state of one run, compared by identity: no generated __eq__/__repr__ (each one
-# more exec at import, on the start-up path).
-@dataclass(eq=False, repr=False)
+# Mutable state of one run, compared by identity. A plain class, not a dataclass: the
+# decorator compiles its __init__ at import, on the start-up path.
 class Layout:
     """The workspace roots and what they bring with them."""
 
-    workspaces: tuple[str, ...]
-    read_only: bool = False
-    project: ProjectRoot | None = None  # set when the default (project root) was taken
-    git_write: tuple[tuple[str, str], ...] = ()  # (path, why)
-    git_read: tuple[tuple[str, str], ...] = ()
-    protect: tuple[str, ...] = ()  # host-trusted git files (read-only in the view)
-    notes: list[str] = field(default_factory=list)
+    def __init__(
+        self,
+        workspaces: tuple[str, ...],
+        *,
+        read_only: bool = False,
+        project: ProjectRoot | None = None,
+    ) -> None:
+        self.workspaces = workspaces
+        self.read_only = read_only
+        self.project = project  # set when the default (project root) was taken
+        self.git_write: tuple[tuple[str, str], ...] = ()  # (path, why)
+        self.git_read: tuple[tuple[str, str], ...] = ()
+        self.protect: tuple[str, ...] = ()  # host-trusted git files (read-only in the view)
+        self.notes: list[str] = []
 
     @property
     def writable(self) -> tuple[str, ...]:
