@@ -533,3 +533,14 @@ def test_both_families_v4_refused_v6_wins(run: Runner) -> None:
             await closed(transport)
 
     run(scenario)
+
+
+def test_the_address_text_keeps_the_families_apart() -> None:
+    """0.0.0.1 and ::1 are the same number: the cache of address texts must not mix them."""
+    from egressbox import dial
+
+    for _ in range(2):  # the first call fills the cache, the second reads it
+        assert dial._ip_text(IPv4Address(1)) == "0.0.0.1"
+        assert dial._ip_text(IPv6Address(1)) == "::1"
+        assert dial._ip_text(IPv6Address(2**32 + 1)) == "::1:0:1"
+        assert dial._ip_text(IPv4Address("255.255.255.255")) == "255.255.255.255"

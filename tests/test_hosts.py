@@ -411,6 +411,19 @@ def test_parse_port_refuses(text: str) -> None:
     assert info.value.reason is Reason.BAD_PORT
 
 
+@given(st.text(max_size=7) | st.from_regex(r"[0-9]{1,6}", fullmatch=True))
+def test_parse_port_takes_one_to_five_ascii_digits_1_to_65535(text: str) -> None:
+    wanted = re.fullmatch(r"[0-9]{1,5}", text) is not None and 1 <= int(text) <= 65535
+    try:
+        port = parse_port(text)
+    except HostError as exc:
+        assert not wanted
+        assert exc.reason is Reason.BAD_PORT
+    else:
+        assert wanted
+        assert port == int(text)
+
+
 @pytest.mark.parametrize("port", [1, 80, 65535])
 def test_check_port_accepts(port: int) -> None:
     assert check_port(port) == port

@@ -38,7 +38,6 @@ _LABEL_RE = re.compile(r"[a-z0-9_-]+")
 # A label the C library would read as a number: decimal, octal or hex.
 _NUMERIC_LABEL_RE = re.compile(r"(?:[0-9]+|0[xX][0-9a-fA-F]*)")
 _DECIMAL_OCTET_RE = re.compile(r"(?:0|[1-9][0-9]{0,2})")
-_PORT_RE = re.compile(r"[0-9]{1,5}")
 
 INVALID_HOST_TEXT = "(invalid)"
 
@@ -180,7 +179,9 @@ def _check_round_trip(label: str) -> None:
 
 def parse_port(text: str) -> int:
     """Return a port 1-65535 from plain ASCII digits, or raise HostError(bad_port)."""
-    if not _PORT_RE.fullmatch(text):
+    # One to five ASCII digits (int() alone would take "+1", " 1", "1_0" or other scripts'
+    # digits); two str predicates cost a third of a regex match, once per request.
+    if not (0 < len(text) <= 5 and text.isascii() and text.isdigit()):
         raise HostError(_BAD_PORT, "bad port: use a decimal number from 1 to 65535")
     port = int(text)
     if not 1 <= port <= 65535:
