@@ -50,8 +50,7 @@ TESTS = {
 
 def start_counted(workdir: Path, src: str | None) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     """`egressbox serve` under callgrind, configured as in proxy.py."""
-    policy = workdir / "policy.toml"
-    policy.write_text('[egress]\nallow = ["127.0.0.1"]\nallow_cidrs = ["127.0.0.0/8"]\n')
+    policy = bench.egressbox_policy(workdir)
     argv = [
         "valgrind",
         "--tool=callgrind",

@@ -321,6 +321,19 @@ def egressbox_program() -> str:
     return str(Path(sys.executable).parent / "egressbox")
 
 
+def egressbox_policy(workdir: Path) -> Path:
+    """The benchmark policy: the loopback origins only, and room for the idle test."""
+    policy = workdir / "policy.toml"
+    policy.write_text(
+        "[egress]\n"
+        'allow = ["127.0.0.1"]\n'
+        'allow_cidrs = ["127.0.0.0/8"]\n'
+        "[limits]\n"
+        "max_connections = 50000\n"  # the idle test holds 10,000 tunnels
+    )
+    return policy
+
+
 def start_egressbox(
     workdir: Path,
     origins: Origins,
@@ -330,14 +343,7 @@ def start_egressbox(
 ) -> Proxy:
     """`egressbox serve`; with workers > 1, `serve --workers N` (SO_REUSEPORT); `env` and
     `name` for a variant imported from another tree (--egressbox-pythonpath)."""
-    policy = workdir / "policy.toml"
-    policy.write_text(
-        "[egress]\n"
-        'allow = ["127.0.0.1"]\n'
-        'allow_cidrs = ["127.0.0.0/8"]\n'
-        "[limits]\n"
-        "max_connections = 50000\n"  # the idle test holds 10,000 tunnels
-    )
+    policy = egressbox_policy(workdir)
     argv = [egressbox_program(), "serve", "--policy", str(policy)]
     argv += ["--audit-log", str(workdir / "audit.jsonl"), "--quiet"]
     if workers > 1:
