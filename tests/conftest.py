@@ -6,11 +6,17 @@ import importlib.machinery
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import egressbox
 from dnsserver import dns_server
 
 __all__ = ["dns_server"]
+
+# Property tests assert behaviour, never speed: no per-example deadline, and no
+# failure when a loaded machine draws inputs slowly (a test's own settings add to these).
+settings.register_profile("behaviour", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("behaviour")
 
 # The proxy fixtures (loopback origins, test DNS, an in-process proxy, curl) serve
 # tests in several packages of the tree, so they are a plugin, not a conftest.
