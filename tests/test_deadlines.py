@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any
@@ -72,6 +74,59 @@ def test_a_cancelled_deadline_never_runs_and_the_others_in_its_tick_do(
         return sorted(ran)
 
     assert run(main()) == ["a", "c"]
+
+
+def test_a_deadline_cancelled_by_a_callback_of_its_own_tick_does_not_run(
+    run: Callable[[Coroutine[Any, Any, Any]], Any],
+) -> None:
+    """Both in one tick: whichever runs first cancels the other, which then never runs."""
+
+    async def main() -> list[str]:
+        loop = asyncio.get_running_loop()
+        ran: list[str] = []
+        handles: dict[str, deadlines.Deadline] = {}
+
+        def first(name: str, other: str) -> None:
+            ran.append(name)
+            handles[other].cancel()
+
+        when = loop.time() + 0.05
+        handles["a"] = wheel(loop).call_at(when, partial(first, "a", "b"))
+        handles["b"] = wheel(loop).call_at(when, partial(first, "b", "a"))
+        await asyncio.sleep(0.05 + 3 * TICK)
+        return ran
+
+    assert len(run(main())) == 1
+
+
+def test_a_spent_deadline_lets_go_of_its_callback(
+    run: Callable[[Coroutine[Any, Any, Any]], Any],
+) -> None:
+    """An owner holding its deadline, whose callback is the owner's method: once the
+    deadline is cancelled or has run, the owner is freed by its reference count alone,
+    with the cycle collector off (nothing is left for it)."""
+
+    class Owner:
+        def __init__(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+            self.deadline = wheel(loop).call_later(delay, self.expire)
+
+        def expire(self) -> None:
+            pass
+
+    async def main() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        cancelled, expired = Owner(loop, 5.0), Owner(loop, 0.01)
+        cancelled.deadline.cancel()
+        await asyncio.sleep(0.01 + 3 * TICK)
+        gone = [weakref.ref(cancelled), weakref.ref(expired)]
+        del cancelled, expired
+        return gone[0]() is None, gone[1]() is None
+
+    gc.disable()
+    try:
+        assert run(main()) == (True, True)
+    finally:
+        gc.enable()
 
 
 def test_a_later_earlier_deadline_rearms_the_loop_timer(

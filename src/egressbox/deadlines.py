@@ -21,37 +21,49 @@ import asyncio
 import heapq
 import math
 from collections.abc import Callable
+from typing import Final
 
-TICK = 0.05  # seconds: how late a deadline may fire
+TICK: Final = 0.05  # seconds: how late a deadline may fire
+
+
+def _nothing() -> None:
+    """A spent deadline's callback."""
 
 
 class Deadline:
     """One armed deadline; `cancel()` removes it (safe to call more than once)."""
 
-    __slots__ = ("_callback", "_slot", "_wheel")
+    __slots__ = ("_bucket", "_callback", "_slot")
 
-    def __init__(self, wheel: Wheel, slot: int, callback: Callable[[], object]) -> None:
-        self._wheel: Wheel | None = wheel
+    def __init__(self, slot: int, bucket: set[Deadline], callback: Callable[[], object]) -> None:
         self._slot = slot
+        # Its tick's set, while armed: a cancel is one set discard, with no lookup.
+        self._bucket: set[Deadline] | None = bucket
         self._callback = callback
 
     def cancel(self) -> None:
-        wheel, self._wheel = self._wheel, None
-        if wheel is not None:
-            wheel.discard(self._slot, self)
+        bucket, self._bucket = self._bucket, None
+        # The callback is most often a bound method of the deadline's owner, which holds
+        # the deadline: dropped, the pair is freed by its reference counts, not left to
+        # the cycle collector (~8,000 instructions a short tunnel, under callgrind). And
+        # a deadline cancelled by another's callback in the same tick does not run.
+        self._callback = _nothing
+        if bucket is not None:
+            bucket.discard(self)
 
     def cancelled(self) -> bool:
         """True once cancelled or run."""
-        return self._wheel is None
+        return self._bucket is None
 
     def when(self) -> float:
         """The loop time of the tick it fires at."""
         return self._slot * TICK
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._wheel = None
+        self._bucket = None
+        callback, self._callback = self._callback, _nothing
         try:
-            self._callback()
+            callback()
         except Exception as exc:  # as the loop treats a failing callback: report, go on
             loop.call_exception_handler(
                 {"message": "exception in a deadline's callback", "exception": exc}
@@ -77,21 +89,15 @@ class Wheel:
     def call_at(self, when: float, callback: Callable[[], object]) -> Deadline:
         """Run `callback` no sooner than loop time `when`, at most a tick later."""
         slot = math.ceil(when / TICK)
-        deadline = Deadline(self, slot, callback)
         bucket = self._slots.get(slot)
         if bucket is None:
             bucket = self._slots[slot] = set()
             heapq.heappush(self._order, slot)
+        deadline = Deadline(slot, bucket, callback)
         bucket.add(deadline)
         if self._timer is None or slot < self._armed:
             self._arm(slot)
         return deadline
-
-    def discard(self, slot: int, deadline: Deadline) -> None:
-        # The empty bucket stays until its tick: a later deadline may land in it.
-        bucket = self._slots.get(slot)
-        if bucket is not None:
-            bucket.discard(deadline)
 
     def _arm(self, slot: int) -> None:
         if self._timer is not None:
@@ -104,7 +110,9 @@ class Wheel:
         loop, slots, order = self._loop, self._slots, self._order
         due = math.floor(loop.time() / TICK)
         while order and order[0] <= due:
-            for deadline in slots.pop(heapq.heappop(order)):
+            # A copy: a callback may cancel a deadline of the same tick (rare: nearly
+            # every deadline is cancelled before its tick).
+            for deadline in tuple(slots.pop(heapq.heappop(order))):
                 deadline._run(loop)
         # Skip ticks whose deadlines were all cancelled: no wake-up for nothing.
         while order and not slots[order[0]]:
