@@ -750,6 +750,8 @@ def test_open_tunnel_with_upstream_relays_and_keeps_early_upstream_bytes(
         cr, cw = await asyncio.open_connection("127.0.0.1", port)
         cw.write(b"CONNECT example:443\nfirst bytes")
         tunnel = await tunnels.get()
+        ended: list[tuple[RelayStats, bool]] = []
+        tunnel.when_done(lambda stats: ended.append((stats, tunnel.done.done())))
         ur, uw = await upstream_apps.get()
         assert await cr.readexactly(9) == b"OK\nhello;"
         assert await ur.readexactly(11) == b"first bytes"
@@ -762,6 +764,11 @@ def test_open_tunnel_with_upstream_relays_and_keeps_early_upstream_bytes(
         assert stats.bytes_down == 3 + 6 + PAYLOAD
         assert stats.bytes_up == 11 + 10
         expect_spliced(mode, stats)
+        # Called once, in the step the tunnel completed (its Future already resolved).
+        assert ended == [(stats, True)]
+        late: list[RelayStats] = []
+        tunnel.when_done(late.append)  # after the end: at once
+        assert late == [stats]
         for writer in (cw, uw):
             writer.close()
             await writer.wait_closed()

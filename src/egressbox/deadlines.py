@@ -127,7 +127,7 @@ class Wheel:
 
 # One wheel per loop, dropped when it empties (and, for a loop closed with deadlines
 # still waiting, when the next wheel is made).
-_WHEELS: dict[asyncio.AbstractEventLoop, Wheel] = {}
+_WHEELS: Final[dict[asyncio.AbstractEventLoop, Wheel]] = {}
 
 
 def wheel(loop: asyncio.AbstractEventLoop) -> Wheel:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from enum import StrEnum
 from ipaddress import IPv4Address
-from typing import cast
+from typing import Final, cast
 
 from egressbox.addresses import IPAddress
 from egressbox.deadlines import wheel
@@ -75,7 +75,7 @@ class DialError(EgressboxError):
 
 # errno -> failure code; anything else is connect_failed. EAFNOSUPPORT and
 # ENETDOWN mean the family or the network is not there at all (IPv6 disabled).
-_ERRNO_FAILURES: dict[int, DialFailure] = {
+_ERRNO_FAILURES: Final[dict[int, DialFailure]] = {
     errno.ECONNREFUSED: DialFailure.CONNECT_REFUSED,
     errno.ETIMEDOUT: DialFailure.CONNECT_TIMEOUT,
     errno.ENETUNREACH: DialFailure.NETWORK_UNREACHABLE,
@@ -185,13 +185,13 @@ def _ip_key(address: IPAddress) -> int:
     return number if isinstance(address, IPv4Address) else number + _IPV6_KEYS
 
 
-_IPV6_KEYS = 1 << 32  # IPv4 keys are below it
+_IPV6_KEYS: Final = 1 << 32  # IPv4 keys are below it
 
 # The text of each address dialed: the proxy dials the same few over and over, and
 # .version and .packed are interpreted properties (a lookup: ~1,500 instructions, the
 # two properties and inet_ntop: ~5,000). Bounded: past it, the text is made each time.
-_IP_TEXTS_SIZE = 4096
-_IP_TEXTS: dict[int, str] = {}
+_IP_TEXTS_SIZE: Final = 4096
+_IP_TEXTS: Final[dict[int, str]] = {}
 
 
 def _failure_of(address: IPAddress, port: int, exc: BaseException) -> DialError:

@@ -27,17 +27,17 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # RFC 1035 §2.3.4: 255 octets on the wire, i.e. 253 characters of text
 # without the trailing dot; 63 octets per label.
-MAX_NAME_LENGTH = 253
-MAX_LABEL_LENGTH = 63
+MAX_NAME_LENGTH: Final = 253
+MAX_LABEL_LENGTH: Final = 63
 # Longest text we even look at: a bound on work for hostile input.
-MAX_INPUT_LENGTH = 1024
+MAX_INPUT_LENGTH: Final = 1024
 
 # Letters, digits, hyphen, and underscore (used by real service names such as
 # `_dmarc` or `foo_bar.s3.amazonaws.com`, though STD3 forbids it).
-_LABEL_RE = re.compile(r"[a-z0-9_-]+")
+_LABEL_RE: Final = re.compile(r"[a-z0-9_-]+")
 # A label the C library would read as a number: decimal, octal or hex.
-_NUMERIC_LABEL_RE = re.compile(r"(?:[0-9]+|0[xX][0-9a-fA-F]*)")
-_DECIMAL_OCTET_RE = re.compile(r"(?:0|[1-9][0-9]{0,2})")
+_NUMERIC_LABEL_RE: Final = re.compile(r"(?:[0-9]+|0[xX][0-9a-fA-F]*)")
+_DECIMAL_OCTET_RE: Final = re.compile(r"(?:0|[1-9][0-9]{0,2})")
 
 INVALID_HOST_TEXT = "(invalid)"
 

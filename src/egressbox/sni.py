@@ -117,10 +117,10 @@ def _other_name(policy: Policy, sni: Target, target: Target, ech_offered: bool) 
 
 
 # The first request head of a captured plain-HTTP connection is read this far for its Host.
-MAX_HTTP_HEAD = 16 * 1024
+MAX_HTTP_HEAD: Final = 16 * 1024
 # A request line starts with its method and a space (an SSH banner, SMTP's EHLO after the
 # server's greeting and the like do not).
-_HTTP_METHODS = (
+_HTTP_METHODS: Final = (
     b"GET ",
     b"HEAD ",
     b"POST ",

@@ -60,40 +60,40 @@ from egressbox.errors import EgressboxError, HostError
 # an endless stream of them is not a request.
 MAX_LEADING_EMPTY_LINES = 4
 # Apache's LimitRequestFields default; real clients send a few dozen fields.
-MAX_HEADER_FIELDS = 100
+MAX_HEADER_FIELDS: Final = 100
 # 18 decimal digits always fit a signed 64-bit integer, so every hop behind
 # us reads the same number we do (a longer one could wrap or saturate in C).
-MAX_CONTENT_LENGTH_DIGITS = 18
+MAX_CONTENT_LENGTH_DIGITS: Final = 18
 # 16 hex digits: chunks up to 2**64-1 bytes. Longer (zero-padded) sizes are
 # refused instead of trusting every other hop to read them alike.
-MAX_CHUNK_SIZE_DIGITS = 16
+MAX_CHUNK_SIZE_DIGITS: Final = 16
 # A chunk-size line with its extensions, which we drop; nobody uses them in
 # practice, so 4 KiB is generous and bounds what we buffer for one line.
-MAX_CHUNK_LINE_BYTES = 4096
+MAX_CHUNK_LINE_BYTES: Final = 4096
 # A trailer section is a header section, so it gets the head's budget.
-MAX_TRAILER_BYTES = limits.MAX_HEAD_BYTES
+MAX_TRAILER_BYTES: Final = limits.MAX_HEAD_BYTES
 # 1xx responses before the final one (103 Early Hints, 102 Processing); more
 # is a misbehaving upstream, not a reason to keep reading forever.
-MAX_INFORMATIONAL_RESPONSES = 16
+MAX_INFORMATIONAL_RESPONSES: Final = 16
 # An error reply's message is one short line for a human; anything longer is
 # only room for reflecting attacker-chosen text.
 MAX_MESSAGE_CHARS = 200
 
-HTTP_10 = "HTTP/1.0"
-HTTP_11 = "HTTP/1.1"
+HTTP_10: Final = "HTTP/1.0"
+HTTP_11: Final = "HTTP/1.1"
 # Every http:// URL without a port means port 80 (RFC 9110 §4.2.1), and so
 # does every ws:// URL (RFC 6455 §3).
-HTTP_DEFAULT_PORT = 80
+HTTP_DEFAULT_PORT: Final = 80
 # Absolute-form schemes forwarded in plain text; the TLS ones need CONNECT.
-_PLAIN_SCHEMES = frozenset({"http", "ws"})
-_TLS_SCHEMES = frozenset({"https", "wss"})
+_PLAIN_SCHEMES: Final = frozenset({"http", "ws"})
+_TLS_SCHEMES: Final = frozenset({"https", "wss"})
 
 # The grammar, as regular expressions over heads decoded as Latin-1 (one character per
 # byte, so encoding a value back gives the exact bytes). tchar (RFC 9110 §5.6.2):
 _TCHAR = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
-_TOKEN_RE = re.compile(rf"{_TCHAR}+")
+_TOKEN_RE: Final = re.compile(rf"{_TCHAR}+")
 # protocol = protocol-name ["/" protocol-version], both tokens (RFC 9110 §7.8).
-_PROTOCOL_RE = re.compile(rf"{_TCHAR}+(?:/{_TCHAR}+)?")
+_PROTOCOL_RE: Final = re.compile(rf"{_TCHAR}+(?:/{_TCHAR}+)?")
 # CTLs other than HTAB, which field values may hold (RFC 9110 §5.5).
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 # request-line = method SP request-target SP HTTP-version (RFC 9112 §3), single spaces;
@@ -101,7 +101,7 @@ _CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 # `_interpret_target`. Only HTTP/1.1 and 1.0. (`++`, possessive: a repeat here never
 # gives back a character to what follows it, which no character of its set can start;
 # the engine then keeps no state to backtrack with.)
-_REQUEST_LINE_RE = re.compile(rf"{_TCHAR}++ [!-~]++ HTTP/1\.[01]")
+_REQUEST_LINE_RE: Final = re.compile(rf"{_TCHAR}++ [!-~]++ HTTP/1\.[01]")
 # field-line = field-name ":" OWS field-value OWS (RFC 9112 §5): no whitespace before
 # the colon, none at the start (obs-fold), no control character but HTAB in the value
 # (written as the characters allowed: in a Latin-1 text every one is at most \xff, and
@@ -110,14 +110,16 @@ _FIELD_LINE = rf"({_TCHAR}++):([\t\x20-\x7e\x80-\xff]*+)"
 _FIELD_LINE_RE = re.compile(_FIELD_LINE)
 # Every field line of a block at once: a match can only start at a line's start and
 # ends at its CRLF, so a block is valid when there are as many matches as lines.
-_FIELD_LINES_RE = re.compile(rf"(?m)^{_FIELD_LINE}\r\n")
+_FIELD_LINES_RE: Final = re.compile(rf"(?m)^{_FIELD_LINE}\r\n")
 # status-line; a missing SP before an empty reason is tolerated (seen in the wild).
-_STATUS_LINE_RE = re.compile(r"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
+_STATUS_LINE_RE: Final = re.compile(
+    r"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?"
+)
 _VERSION_RE = re.compile(r"HTTP/[0-9]+(?:\.[0-9]+)?")
-_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*+://")
-_DIGITS_RE = re.compile(r"[0-9]+")
+_SCHEME_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*+://")
+_DIGITS_RE: Final = re.compile(r"[0-9]+")
 # chunk-size, then optional extensions: printable, since we drop them anyway.
-_CHUNK_LINE_RE = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
+_CHUNK_LINE_RE: Final = re.compile(rb"([0-9A-Fa-f]+)(?:[ \t]*;[\t\x20-\x7e\x80-\xff]*)?")
 _REASON_CODE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # Framing: a CR not followed by LF, or an LF not after a CR (in bytes, and in a text).
 _BARE_CR_OR_LF_RE = re.compile(rb"\r(?!\n)|(?<!\r)\n")
@@ -140,19 +142,19 @@ _HOP_BY_HOP = frozenset(
     }
 )
 # A response head we pass on loses its Content-Length too: we write our own framing.
-_HOP_BY_HOP_AND_LENGTH = _HOP_BY_HOP | {"content-length"}
+_HOP_BY_HOP_AND_LENGTH: Final = _HOP_BY_HOP | {"content-length"}
 # A client could name these in `Connection:` to make us drop them, and so
 # strip the framing of a body it still sends (smuggling): never drop them.
-_NEVER_DROPPED = frozenset({"host", "content-length", "transfer-encoding"})
+_NEVER_DROPPED: Final = frozenset({"host", "content-length", "transfer-encoding"})
 # Unicode categories removed from reply messages: controls (CR, LF, C1),
 # format characters (bidi overrides), line/paragraph separators, surrogates.
 _UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 # RFC 9110 §15.3.5, §15.4.5: these responses never have a body.
-_NO_BODY_STATUSES = frozenset({HTTPStatus.NO_CONTENT, HTTPStatus.NOT_MODIFIED})
+_NO_BODY_STATUSES: Final = frozenset({HTTPStatus.NO_CONTENT, HTTPStatus.NOT_MODIFIED})
 
-_LAST_CHUNK = b"0\r\n\r\n"
-_CONNECT_ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
+_LAST_CHUNK: Final = b"0\r\n\r\n"
+_CONNECT_ESTABLISHED: Final = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
 # -- errors -----------------------------------------------------------------------------
 
@@ -201,8 +203,8 @@ class BodyFraming:
     length: int = 0
 
 
-NO_BODY = BodyFraming(FramingKind.NONE)
-CHUNKED_BODY = BodyFraming(FramingKind.CHUNKED)
+NO_BODY: Final = BodyFraming(FramingKind.NONE)
+CHUNKED_BODY: Final = BodyFraming(FramingKind.CHUNKED)
 
 
 class Authority(NamedTuple):
@@ -310,12 +312,12 @@ _INDEXED: Final = frozenset(
     }
 )
 # What a name absent from an index gives; never mutated.
-_NONE: list[str] = []
+_NONE: Final[list[str]] = []
 # The field index of the head looked at last: a head's checks ask for seven or
 # more names, and one pass that indexes every field beats a scan per name.
 # Swapped as one tuple (atomic), and it holds `fields` itself, so an identity
 # match can never be a new head at a recycled address.
-_LAST_INDEX: list[tuple[Fields, _Index]] = [((), {})]
+_LAST_INDEX: Final[list[tuple[Fields, _Index]]] = [((), {})]
 
 
 def _index(fields: Fields) -> _Index:
@@ -588,7 +590,7 @@ def _list_items(values: list[str]) -> list[str]:
     return items
 
 
-_NO_TOKENS: frozenset[str] = frozenset()
+_NO_TOKENS: Final[frozenset[str]] = frozenset()
 
 
 def _connection_tokens(index: _Index, fail: Fail | None) -> frozenset[str]:

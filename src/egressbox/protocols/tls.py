@@ -27,14 +27,15 @@ bounded by the same limits (`MAX_INPUT` bytes of records, then one read).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from egressbox.errors import EgressboxError
 
 # -- limits (where each value came from) -------------------------------------------
 
-RECORD_HEADER = 5  # ContentType, ProtocolVersion, uint16 length (RFC 8446 §5.1)
+RECORD_HEADER: Final = 5  # ContentType, ProtocolVersion, uint16 length (RFC 8446 §5.1)
 # A plaintext record carries at most 2^14 bytes (RFC 8446 §5.1: record_overflow).
-MAX_RECORD = 1 << 14
+MAX_RECORD: Final = 1 << 14
 # The ClientHello message with its 4-byte handshake header. Real ones are
 # 200-600 bytes, ~1.8 KiB with a post-quantum key share (X25519MLKEM768) and
 # up to a few KiB with many PSK identities; 16 KiB is one full record.
@@ -46,18 +47,18 @@ MAX_RECORDS = 64
 MAX_INPUT = MAX_HELLO + MAX_RECORDS * RECORD_HEADER
 
 # Record content types (RFC 8446 §5.1; 24 is heartbeat, RFC 6520).
-CHANGE_CIPHER_SPEC = 20
+CHANGE_CIPHER_SPEC: Final = 20
 ALERT = 21
-HANDSHAKE = 22
+HANDSHAKE: Final = 22
 APPLICATION_DATA = 23
-HEARTBEAT = 24
-TLS_MAJOR = 3  # every TLS and SSL 3 record version is 0x03xx
-CLIENT_HELLO = 1  # HandshakeType
+HEARTBEAT: Final = 24
+TLS_MAJOR: Final = 3  # every TLS and SSL 3 record version is 0x03xx
+CLIENT_HELLO: Final = 1  # HandshakeType
 EXT_SERVER_NAME = 0  # RFC 6066 §3
 EXT_ENCRYPTED_CLIENT_HELLO = 0xFE0D  # RFC 9849 (draft-ietf-tls-esni)
 NAME_TYPE_HOST_NAME = 0
 MAX_SESSION_ID = 32
-HANDSHAKE_HEADER = 4  # HandshakeType, uint24 length
+HANDSHAKE_HEADER: Final = 4  # HandshakeType, uint24 length
 RANDOM_SIZE = 32
 
 
@@ -99,8 +100,8 @@ class ClientHello:
 
 Result = NeedMore | NotTls | Malformed | ClientHello
 
-NEED_MORE = NeedMore()
-NOT_TLS = NotTls()
+NEED_MORE: Final = NeedMore()
+NOT_TLS: Final = NotTls()
 
 
 def may_be_tls(first: int) -> bool:

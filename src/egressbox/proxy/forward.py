@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import enum
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Final, cast
 
 from egressbox.deadlines import Deadline, wheel
 from egressbox.decide import Decision
@@ -60,10 +60,10 @@ LINGER_BYTES = 256 * 1024
 # Client bytes held while a request is decided, dialled or answered (the next
 # pipelined requests, or a body arriving before the upstream connection is
 # up): reading stops above this, so a client cannot fill the proxy's memory.
-MAX_PENDING_BYTES = 256 * 1024
+MAX_PENDING_BYTES: Final = 256 * 1024
 # Methods that may be sent again when a kept upstream connection turns out
 # to be closed before any byte of the response came back (RFC 9110 §9.2.2).
-RETRYABLE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+RETRYABLE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 
 
 class _Phase(enum.Enum):

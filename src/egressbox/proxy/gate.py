@@ -261,7 +261,7 @@ def _watch_tunnel(
     """Track the tunnel; untrack it and log its one diagnostic line when it ends."""
     end = _TunnelEnd(state, tunnel, protocol, decision, client)
     state.tunnels[tunnel] = end
-    tunnel.done.add_done_callback(end)
+    tunnel.when_done(end)
 
 
 class _TunnelEnd:
@@ -303,17 +303,15 @@ class _TunnelEnd:
     def target(self) -> OpenTarget:
         return OpenTarget(self.protocol, self.host, self.port, self.addresses)
 
-    def __call__(self, done: asyncio.Future[RelayStats]) -> None:
+    def __call__(self, stats: RelayStats) -> None:
         state = self.state
         state.tunnels.pop(self.tunnel, None)
         state.client_closed(self.client)
         meter = state.meter
         if meter is not None:
-            ended = done.result()
-            meter.relayed(ended.bytes_up, ended.bytes_down)
+            meter.relayed(stats.bytes_up, stats.bytes_down)
         if state.log is None or not state.log_allowed:
             return
-        stats = done.result()
         state.diagnostic(
             f"{self.protocol} {format_authority(self.host, self.port)} {self.verdict.value}"
             f" {self.reason.value} up={stats.bytes_up} down={stats.bytes_down} "

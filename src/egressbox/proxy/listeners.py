@@ -46,8 +46,8 @@ _TCP: Final = AuditProtocol.TCP
 # After a refusal, read and drop what the client still sends for this long
 # before closing, so that closing with unread data does not reset the
 # connection under the reply (nginx's lingering_close does the same).
-LINGER_SECONDS = 2.0
-LINGER_BYTES = 256 * 1024
+LINGER_SECONDS: Final = 2.0
+LINGER_BYTES: Final = 256 * 1024
 
 
 class _Lingering(Connection):
