@@ -2173,3 +2173,16 @@ def test_forward_head_asks_for_persistence_only_when_told() -> None:
     assert b"Connection:" not in kept
     upgrade = forward_head(ws_request(), keep_alive=True)
     assert b"\r\nConnection: Upgrade\r\n" in upgrade
+
+
+@given(st.text(max_size=22) | st.from_regex(r"[0-9]{1,20}", fullmatch=True))
+def test_content_length_takes_ascii_digits_only(text: str) -> None:
+    """The one reading of a Content-Length value agrees with `[0-9]+` up to 18 digits."""
+    wanted = re.fullmatch(r"[0-9]+", text) is not None and len(text) <= 18
+    try:
+        length = http1._content_length([text], http1._bad_request)
+    except http1.HttpError:
+        assert not wanted
+    else:
+        assert wanted
+        assert length == int(text)
