@@ -752,6 +752,8 @@ def test_open_tunnel_with_upstream_relays_and_keeps_early_upstream_bytes(
         tunnel = await tunnels.get()
         ended: list[tuple[RelayStats, bool]] = []
         tunnel.when_done(lambda stats: ended.append((stats, tunnel.done.done())))
+        with pytest.raises(RuntimeError, match="done callback already"):
+            tunnel.when_done(lambda stats: None)  # a second would silently replace the first
         ur, uw = await upstream_apps.get()
         assert await cr.readexactly(9) == b"OK\nhello;"
         assert await ur.readexactly(11) == b"first bytes"

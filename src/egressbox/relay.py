@@ -688,9 +688,12 @@ class Tunnel:
 
     def when_done(self, callback: Callable[[RelayStats], None]) -> None:
         """Call `callback(stats)` once, when both sockets are closed: in the same step,
-        not at a later turn of the loop as a Future's callback (at once if it is done)."""
+        not at a later turn of the loop as a Future's callback (at once if it is done).
+        One callback a tunnel (its owner's); anyone else awaits `done`."""
         if self._stats is not None:
             callback(self._stats)
+        elif self._on_end is not None:
+            raise RuntimeError("the tunnel has a done callback already: await tunnel.done")
         else:
             self._on_end = callback
 
