@@ -156,6 +156,8 @@ _HOP_BY_HOP = frozenset(
 )
 # A response head we pass on loses its Content-Length too: we write our own framing.
 _HOP_BY_HOP_AND_LENGTH: Final = _HOP_BY_HOP | {"content-length"}
+# A forwarded request loses the client's Host: forward_head writes the decided one.
+_HOP_BY_HOP_AND_HOST: Final = _HOP_BY_HOP | {"host"}
 # A client could name these in `Connection:` to make us drop them, and so
 # strip the framing of a body it still sends (smuggling): never drop them.
 _NEVER_DROPPED: Final = frozenset({"host", "content-length", "transfer-encoding"})
@@ -1117,13 +1119,18 @@ def proxy_credentials(head: RequestHead) -> tuple[str, str] | None:
 # -- builders -------------------------------------------------------------------------------
 
 
-def forward_head(head: RequestHead, *, keep_alive: bool = False) -> bytes:
+def forward_head(head: RequestHead, *, keep_alive: bool = False, host: str | None = None) -> bytes:
     """The request head for the upstream, in origin-form.
 
     Hop-by-hop fields, fields named in Connection, and every Proxy-* field
     (credentials for us, never for the origin) are dropped; the others keep
-    their order. Host stays as the client sent it (it was checked to name the
-    target), or is added for an HTTP/1.0 client that sent none.
+    their order. Host is written first, from `host`: the normalized host the
+    decision admitted (by default the target's host, normalized the same way),
+    never the client's spelling. The parser checked that the client's Host names
+    the target, but "names" is an IDNA mapping: `ALLOWED.test.`, a soft hyphen
+    or U+00AA for `a` name it too, and an origin that routes by Host must only
+    ever see the name decided (RFC 9112 §3.2.2: a proxy sent an absolute-form
+    target generates Host from it, and does not forward the received one).
     `Connection: close` is sent unless `keep_alive`: the forwarder keeps an
     upstream connection only for the next request of the same client
     connection, and only when that request's own decision admits the same
@@ -1134,11 +1141,12 @@ def forward_head(head: RequestHead, *, keep_alive: bool = False) -> bytes:
     """
     if head.kind is not _REQUEST_KIND_FORWARD or head.origin_target is None:
         raise ValueError("forward_head is for absolute-form requests, not CONNECT")
-    fields = _next_hop_fields(head.headers, head.connection_tokens)
+    if host is None:
+        host = _decided_host(head.authority.host)
+    fields = _next_hop_fields(head.headers, head.connection_tokens, _HOP_BY_HOP_AND_HOST)
     if head.body.kind is _FRAMING_KIND_LENGTH:
         fields = _canonical_length(fields, head.body.length)
-    if not head.header("host"):
-        fields.insert(0, ("Host", _host_value(head.authority)))
+    fields.insert(0, ("Host", host_field(host, head.authority.port)))
     if head.body.kind is _FRAMING_KIND_CHUNKED:
         fields.append(("Transfer-Encoding", "chunked"))  # the body reader re-encodes
     if head.upgrade:
@@ -1163,10 +1171,20 @@ def _canonical_length(fields: list[tuple[str, str]], length: int) -> list[tuple[
     return out
 
 
-def _host_value(authority: Authority) -> str:
-    if authority.port == HTTP_DEFAULT_PORT:
-        return authority.host
-    return f"{authority.host}:{authority.port}"
+def host_field(host: str, port: int) -> str:
+    """The Host field value for a normalized host (hosts.normalize_host's text): an IPv6
+    address in brackets, the port unless it is http's and ws's default (RFC 9110 §7.2)."""
+    text = f"[{host}]" if ":" in host else host
+    return text if port == HTTP_DEFAULT_PORT else f"{text}:{port}"
+
+
+def _decided_host(raw: str) -> str:
+    """The target's host normalized as the decision normalizes it (ValueError when it
+    could never have been admitted)."""
+    try:
+        return hosts.normalize_host(raw).text
+    except HostError:
+        raise ValueError("forward_head needs a host the decision could admit") from None
 
 
 def connect_established() -> bytes:

@@ -26,6 +26,13 @@ protocol of its own, and flow control pauses the reading side whenever the
 writing side's buffer is full. A Task runs only while a decision waits for
 DNS or a connection is dialled.
 
+The upstream sees the name that was decided and nothing else: the request
+goes out with `Host` written from the decision's normalized host (and the
+port unless 80), not the client's spelling of it. The parser admits a Host
+that names the target under the IDNA mapping (upper case, a trailing dot, a
+soft hyphen, U+00AA for `a`) and refuses one naming another host (400);
+an origin routing by Host would otherwise serve a name never decided.
+
 An upgrade request (a WebSocket: `GET ws://...` with `Upgrade: websocket`)
 that the upstream answers with 101 turns the connection into a raw byte
 relay to that same upstream until either side is done; it is never parsed
@@ -488,7 +495,10 @@ class Forwarder(asyncio.Protocol):
         self.body = http1.RequestBodyReader(head.body)
         self.phase = _PHASE_EXCHANGE
         keep = head.keep_alive and not self.client_eof
-        upstream.write(http1.forward_head(head, keep_alive=keep))
+        decision = self.decision
+        assert decision is not None
+        # Host is the decided, normalized name, whatever spelling of it the client sent.
+        upstream.write(http1.forward_head(head, keep_alive=keep, host=decision.host))
         pending, self.pending = self.pending, b""
         self._touch(self.limits.idle_timeout)
         if pending:
