@@ -15,8 +15,10 @@ Order of the steps and why:
    descriptor at its real path: read-only ones with ``MOUNT_ATTR_RDONLY`` over the whole tree,
    every bind ``nosuid,nodev``. Read-only binds make every metadata change fail (chmod, chown,
    utimes, xattrs), which Landlock cannot refuse up to ABI 7.
-6. Host-trusted paths inside writable grants (``.git/hooks``, the policy, the audit log,
-   egressbox's caches) bound read-only onto themselves.
+6. Every directory between a writable grant and a host-trusted path inside it bound onto
+   itself (a mount point cannot be renamed or removed: ``mv .git .git.old`` fails with EBUSY),
+   then the host-trusted paths (``.git/hooks``, the policy, the audit log, egressbox's caches)
+   bound read-only onto themselves.
 7. Masks: credential paths inside grants, and the ``/etc`` entries only their owner or group may
    read (shadow, SSH host keys, sudoers), covered by an empty placeholder of mode 000: a root
    child owns every root-owned file, so permissions alone would not keep them out.
@@ -174,6 +176,7 @@ def _build(spec: WorldSpec, held: _Held, log: _Log) -> None:
     for link, target in held.links:
         _mirror_link(root, link, target)
     _bind_all(root, held.sources, log)
+    _pin_ancestors(root, spec, log)
     for path in spec.read_only:
         _protect(root, os.path.realpath(path), log)
     _mask_all(root, (*spec.mask, *held.etc_hidden), log)
@@ -449,6 +452,50 @@ def _protect(root: str, path: str, log: _Log) -> None:
     except OSError as exc:
         raise WorldError(exc.errno or errno.EIO, f"read-only {path}: {exc.strerror}") from None
     log.did(f"read-only {path}")
+
+
+def _pin_ancestors(root: str, spec: WorldSpec, log: _Log) -> None:
+    """Bind each directory between a writable grant and a protected path onto itself.
+
+    Linux renames a directory that *contains* mount points, so a read-only bind on
+    ``.git/config`` alone lets the child ``mv .git .git.old; mkdir .git`` and write a new
+    config the host reads next; a directory that *is* a mount point cannot be renamed or
+    removed (EBUSY: FIELD-NOTES, third round). Shallowest first, before the read-only binds,
+    which then sit on top. A directory missing in the view ends its chain: nothing below it
+    exists yet (what the command creates there is judged after the run, runner/verify.py).
+    """
+    writable = [os.path.realpath(p) for p, w in spec.grants if w]
+    pinned: dict[str, None] = {}
+    for raw in spec.read_only:
+        for directory in ancestors_within(os.path.realpath(raw), writable):
+            target = root + directory
+            if not os.path.isdir(target) or os.path.islink(target):
+                break
+            if directory in pinned:
+                continue
+            try:
+                syscalls.mount(target, target, None, MS_BIND | MS_REC)
+                syscalls.mount_setattr(target, _BIND_ATTRS, recursive=False)
+            except OSError as exc:
+                raise WorldError(
+                    exc.errno or errno.EIO, f"pin {directory}: {exc.strerror}"
+                ) from None
+            pinned[directory] = None
+    if pinned:
+        log.did(f"pinned {len(pinned)} directories above host-trusted paths")
+
+
+def ancestors_within(path: str, writable: Iterable[str]) -> list[str]:
+    """The directories from the outermost writable root holding `path` down to its parent."""
+    holders = [w for w in writable if is_under(path, w) and path != w]
+    if not holders:
+        return []
+    top = min(holders, key=_depth).rstrip("/") or "/"
+    chain = [top]
+    rest = path[len(top) :].strip("/").split("/")[:-1]
+    for part in rest:
+        chain.append(os.path.join(chain[-1], part))
+    return chain
 
 
 def _mask_all(root: str, paths: Iterable[str], log: _Log) -> None:
