@@ -100,3 +100,79 @@ def ech_hello(public_name: bytes | None) -> bytes:
     extensions.append(extension(0x002B, b"\x02\x03\x04"))  # supported_versions: TLS 1.3
     extensions.append(extension(EXT_ENCRYPTED_CLIENT_HELLO, ECH_OUTER))
     return wrap(hello_body(extensions))
+
+
+# -- the most lenient receiver: Go's crypto/tls record layer, as a model ------------------------
+#
+# Go's server (crypto/tls/conn.go, readRecordOrCCS, before a version is negotiated) takes
+# every record whose type is alert or handshake and whose version is below 0x1000, drops
+# warning alerts (at most maxUselessRecords = 16 in a row), and reassembles a handshake
+# message from any number of records. tests/proxy/test_tls_lenient.py checks this model
+# against the real Go; the reader's tests and fuzz/fuzz_tls.py use it as their oracle.
+
+GO_MAX_USELESS = 16  # maxUselessRecords, crypto/tls/common.go
+GO_MAX_CIPHERTEXT = 16384 + 2048  # maxCiphertext: a record header's length above is refused
+GO_MAX_PLAINTEXT = 16384
+GO_MAX_HANDSHAKE = 65536  # maxHandshake
+GO_FIRST_VERSION_LIMIT = 0x1000  # "the current max version is 3.3 so if >= 16.0 it's not real"
+ALERT = 21
+ALERT_WARNING = 1
+CLOSE_NOTIFY = 0
+
+
+def go_record_layer(data: bytes) -> bytes | None:
+    """The first handshake message (with its 4-byte header) Go's server assembles from
+    these first bytes; None when it stops before one is complete (refused, or too few)."""
+    hand = b""
+    at = 0
+    useless = 0
+    while True:
+        if len(hand) >= 4:
+            size = int.from_bytes(hand[1:4], "big")
+            if size > GO_MAX_HANDSHAKE:
+                return None
+            if len(hand) >= 4 + size:
+                return hand[: 4 + size]
+        if len(data) - at < 5:
+            return None
+        kind = data[at]
+        version = int.from_bytes(data[at + 1 : at + 3], "big")
+        size = int.from_bytes(data[at + 3 : at + 5], "big")
+        if kind not in (ALERT, HANDSHAKE) or version >= GO_FIRST_VERSION_LIMIT:
+            return None  # includes 0x80, Go's SSL 2.0 test
+        if size > GO_MAX_CIPHERTEXT or len(data) - at - 5 < size:
+            return None
+        body = data[at + 5 : at + 5 + size]
+        at += 5 + size
+        if size > GO_MAX_PLAINTEXT:
+            return None
+        if kind == HANDSHAKE:
+            if not body:
+                return None
+            hand += body
+            useless = 0
+            continue
+        if size != 2 or body[1] == CLOSE_NOTIFY or body[0] != ALERT_WARNING:
+            return None
+        useless += 1
+        if useless > GO_MAX_USELESS:
+            return None
+
+
+def lenient_variants(flight: bytes) -> dict[str, bytes]:
+    """A real first flight rewritten as lenient receivers take it: other record versions,
+    warning alerts and CCS before it, split across records with an alert in between."""
+    message = handshake_message(flight)
+    warning = bytes([ALERT, 3, 1, 0, 2, ALERT_WARNING, 112])  # unrecognized_name, warning
+    ccs = bytes([20, 3, 1, 0, 1, 1])
+    half = len(message) // 2
+    return {
+        "version_0201": records(message, [], b"\x02\x01"),
+        "version_0000": records(message, [], b"\x00\x00"),
+        "version_0f03": records(message, [], b"\x0f\x03"),
+        "warning_alert": warning + flight,
+        "alert_and_ccs": warning + ccs + flight,
+        "split_alert_between": records(message[:half], [], b"\x00\x00")
+        + warning
+        + records(message[half:], [], b"\x0f\x03"),
+    }

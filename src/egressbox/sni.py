@@ -9,18 +9,24 @@ an allowed CDN). So, when `[egress] tls_name_check = "enforce"` (the default):
    the client's transport, with no Task, until the client's first bytes say
    what they are. Nothing goes upstream meanwhile. (`protocols/tls.py` says
    what counts as a ClientHello and which ones are refused as unreadable.)
-2. A first byte that cannot start a TLS record (anything but 0x14-0x18) is
+2. A first byte that no TLS server takes for the start of a handshake (not a
+   record content type, 0x14-0x18, nor the high bit of an SSL 2.0 header) is
    the whole cost of the check for other protocols: the relay starts at once,
    those bytes first. So it does when the upstream speaks, ends or fails
    before the client has sent a byte (a server-first protocol such as SSH or
    SMTP: TLS clients always speak first).
 3. Otherwise `protocols.tls.ClientHelloReader` reads the ClientHello (bounded;
-   the TLS session is never terminated) and `name_check` judges its SNI,
-   normalized exactly like a request host: it must be the target itself, or,
-   for an IP-literal target, a name the policy's name rules admit. No SNI
-   passes (the server picks its default name); an outer ClientHello with ECH
-   must carry the target as its public name, like any other. A ClientHello
-   that cannot be read is refused too: the name a server would see is unknown.
+   the TLS session is never terminated) as the most lenient server would: any
+   record version, warning alerts and change_cipher_spec records skipped, a
+   hello split across records reassembled (the module says which streams are
+   refused as unreadable). It fails closed: whatever starts like TLS is read
+   to its server name or refused, never relayed unread. `name_check` judges
+   the SNI, normalized exactly like a request host: it must be the target
+   itself, or, for an IP-literal target, a name the policy's name rules admit.
+   No SNI passes (the server picks its default name); an outer ClientHello
+   with ECH must carry the target as its public name, like any other. A
+   ClientHello that cannot be read is refused too: the name a server would
+   see is unknown.
 4. A refusal is one audit record (`sni_mismatch`, decision `deny`; in report
    mode `would_deny`, and the tunnel goes on), written before a TLS alert
    (unrecognized_name; decode_error for a ClientHello that cannot be read) and

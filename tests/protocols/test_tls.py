@@ -1,5 +1,10 @@
 """The ClientHello reader (protocols/tls.py): real hellos from Python's ssl, hand-built ones.
 
+"Not TLS" is judged by the most lenient receiver (Go's record layer, modelled by
+`tls_hellos.go_record_layer` and checked against the real Go in
+tests/proxy/test_tls_lenient.py): whatever it would read a ClientHello from, the
+reader reads to the same hello or refuses, never calls not TLS.
+
 Real ClientHellos come from `ssl` through a MemoryBIO (no socket): fed whole, byte
 by byte, at every cut point, with bytes after them, and re-framed into several
 records. Hand-built hellos cover what no stack sends on its own (ECH, bad lengths,
@@ -34,12 +39,15 @@ from egressbox.protocols.tls import (
     TlsError,
     may_be_tls,
     parse_client_hello,
+    starts_tls_record,
 )
 from tls_hellos import (
     ECH_OUTER,
     extension,
+    go_record_layer,
     handshake_message,
     hello_body,
+    lenient_variants,
     real_hello,
     records,
     sni_extension,
@@ -182,29 +190,76 @@ NOT_TLS_STARTS = [
     b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
     b"SSH-2.0-OpenSSH_9.6\r\n",
     b"\x00\x00\x00\x08\x04\xd2\x16\x2f",  # PostgreSQL SSLRequest
-    b"\x16",  # ...decided by the second byte: see below
-    b"\x16\x02\x00\x00\x10",  # a handshake type with a version that is not TLS
-    b"\x15\xff",  # an alert type with a version that is not TLS
-    b"\x80\x2e\x01\x03\x01",  # an SSL 2 compatible ClientHello: no extensions, no SNI
     b"\x13\x03\x03",
     b"\x19\x03\x03",
+    b"\x80\x2e\x02\x03\x01",  # an SSL 2.0 header, but not a CLIENT-HELLO (type 1)
+    b"\xff\xfe\x00",
 ]
 
 
 @pytest.mark.parametrize("start", NOT_TLS_STARTS)
 def test_not_tls(start: bytes) -> None:
-    if start == b"\x16":
-        assert ClientHelloReader().feed(start) is NEED_MORE
-        return
     assert ClientHelloReader().feed(start) is NOT_TLS
     assert byte_by_byte(start)[-1] is NOT_TLS
 
 
 def test_the_first_byte_alone_decides_for_most_protocols() -> None:
-    assert [b for b in range(256) if may_be_tls(b)] == [20, 21, 22, 23, 24]
+    # The record content types, and the high bit of an SSL 2.0 record header.
+    assert [b for b in range(256) if may_be_tls(b)] == [20, 21, 22, 23, 24, *range(128, 256)]
     for first in range(256):
         if not may_be_tls(first):
             assert ClientHelloReader().feed(bytes([first])) is NOT_TLS
+
+
+@pytest.mark.parametrize("first", [20, 21, 22, 23, 24])
+@pytest.mark.parametrize("second", [0x00, 0x02, 0x03, 0x0F, 0x10, 0xFF])
+def test_a_record_type_first_is_never_not_tls_whatever_the_version(first: int, second: int) -> None:
+    # Go takes any version below 0x1000; what no server takes is refused, never relayed.
+    start = bytes([first, second, 0x01])
+    assert ClientHelloReader().feed(start) is not NOT_TLS
+    assert all(result is not NOT_TLS for result in byte_by_byte(start + b"\x00\x05hello"))
+
+
+# -- what lenient receivers take -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(lenient_variants(real_hello("example.com"))))
+@pytest.mark.parametrize("name", ["example.com", "xn--bcher-kva.example"])
+def test_lenient_record_layers_are_read_to_their_server_name(variant: str, name: str) -> None:
+    flight = real_hello(name)
+    data = lenient_variants(flight)[variant]
+    if variant != "alert_and_ccs":  # Go refuses a CCS before its hello; we read past it
+        assert go_record_layer(data) == handshake_message(flight)
+    assert feed_all([data]) == ClientHello(name, ech=False)
+    assert byte_by_byte(data)[-1] == ClientHello(name, ech=False)
+    for cut in range(len(data) + 1):
+        assert feed_all([data[:cut], data[cut:]]) == ClientHello(name, ech=False)
+
+
+WARNING = b"\x15\x03\x01\x00\x02\x01\x70"  # warning unrecognized_name
+CCS = b"\x14\x03\x01\x00\x01\x01"
+
+
+def test_skipped_records_are_bounded() -> None:
+    hello = real_hello("example.com")
+    assert feed_all([WARNING * 8 + CCS * 8 + hello]) == ClientHello("example.com", ech=False)
+    result = feed_all([WARNING * 9 + CCS * 8 + hello])
+    assert isinstance(result, Malformed)
+    assert "alert or change_cipher_spec" in str(result.error)
+    assert go_record_layer(WARNING * 16 + hello) is not None  # Go's own bound: 16
+    assert go_record_layer(WARNING * 17 + hello) is None
+
+
+def test_an_ssl2_compatible_hello_is_refused() -> None:
+    # Type 1, version 3.3, 3 bytes of cipher specs, no session id, 16 bytes of challenge:
+    # OpenSSL 3.0 reads it (with no server name), Go refuses it, RFC 8446 D.5 says do not.
+    body = b"\x01\x03\x03\x00\x03\x00\x00\x00\x10\x00\xc0\x2f" + bytes(16)
+    data = bytes([0x80, len(body)]) + body
+    result = feed_all([data])
+    assert isinstance(result, Malformed)
+    assert "SSL 2.0" in str(result.error)
+    assert isinstance(byte_by_byte(data)[-1], Malformed)
+    assert byte_by_byte(data)[1] is NEED_MORE  # the third byte decides
 
 
 # -- hand-built ClientHellos ------------------------------------------------------------------
@@ -242,8 +297,16 @@ def test_a_hello_of_exactly_the_largest_size_is_read() -> None:
 
 
 MALFORMED: dict[str, bytes] = {
-    "alert first": b"\x15\x03\x03\x00\x02\x01\x00",
-    "change cipher spec first": b"\x14\x03\x03\x00\x01\x01",
+    "close_notify first": b"\x15\x03\x03\x00\x02\x01\x00",
+    "fatal alert first": b"\x15\x03\x03\x00\x02\x02\x28",
+    "alert of another level": b"\x15\x03\x03\x00\x02\x07\x28",
+    "alert of three bytes": b"\x15\x03\x03\x00\x03\x01\x28\x00",
+    "empty alert": b"\x15\x03\x03\x00\x00",
+    "change cipher spec of 2": b"\x14\x03\x03\x00\x01\x02",
+    "change cipher spec of two bytes": b"\x14\x03\x03\x00\x02\x01\x01",
+    "change cipher spec then not a record": b"\x14\x03\x03\x00\x01\x01GET ",
+    "alert then not a record": WARNING + b"SSH-",
+    "a version no one takes, not a hello": b"\x16\xff\xff\x00\x05hello",
     "application data first": b"\x17\x03\x03\x00\x01\x00",
     "heartbeat first": b"\x18\x03\x03\x00\x01\x01",
     "empty record": b"\x16\x03\x01\x00\x00",
@@ -302,8 +365,11 @@ def test_a_record_of_another_type_inside_the_hello() -> None:
     message = handshake_message(real_hello("example.com"))
     data = records(message[:100], []) + b"\x17\x03\x03\x00\x01\x00"
     assert isinstance(feed_all([data]), Malformed)
-    bad_version = records(message[:100], []) + b"\x16\x02\x00\x00\x01\x00"
-    assert isinstance(feed_all([bad_version]), Malformed)
+    heartbeat = records(message[:100], []) + b"\x18\x03\x03\x00\x01\x00"
+    assert isinstance(feed_all([heartbeat]), Malformed)
+    # The next record's version is not judged (Go takes any below 0x1000).
+    other_version = records(message[:100], []) + records(message[100:], [], b"\x02\x00")
+    assert feed_all([other_version]) == ClientHello("example.com", ech=False)
 
 
 def test_too_many_records() -> None:
@@ -388,3 +454,56 @@ def test_tls_looking_garbage(prefix: bytes, length: int, handshake: bytes) -> No
     data = prefix + struct.pack("!H", length) + handshake
     result = ClientHelloReader().feed(data)
     assert isinstance(result, tls.NeedMore | Malformed | ClientHello)
+
+
+# -- the lenient receiver as the oracle ----------------------------------------------------
+
+
+def assert_agrees_with_the_lenient_receiver(data: bytes) -> None:
+    """What Go would assemble into a ClientHello, the reader reads to the same hello or
+    refuses; it never calls it not TLS, nor waits for more."""
+    result = ClientHelloReader().feed(data)
+    if starts_tls_record(data[:1][0] if data else 0):
+        assert result is not NOT_TLS
+    message = go_record_layer(data)
+    if message is None or message[0] != 1:
+        return  # Go reads no ClientHello here: refusing or reading one is both safe
+    assert isinstance(result, ClientHello | Malformed), result
+    if isinstance(result, ClientHello):
+        assert result == parse_client_hello(message[4:])
+
+
+RECORD_VERSIONS = st.sampled_from([b"\x03\x01", b"\x03\x03", b"\x02\x01", b"\x00\x00", b"\x0f\x03"])
+SKIPPABLE = st.sampled_from(
+    [WARNING, CCS, b"\x15\x00\x00\x00\x02\x01\x00", b"\x15\x0f\x03\x00\x02\x02\x28"]
+)
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_record_layer_variants_agree_with_the_lenient_receiver(
+    hellos: dict[str, bytes], data: st.DataObject
+) -> None:
+    message = handshake_message(hellos[data.draw(st.sampled_from(sorted(hellos)))])
+    cuts = data.draw(st.lists(st.integers(1, len(message) - 1), max_size=6))
+    points = [0, *sorted(set(cuts)), len(message)]
+    stream = b""
+    for start, end in itertools.pairwise(points):
+        stream += data.draw(st.lists(SKIPPABLE, max_size=3).map(b"".join))
+        stream += records(message[start:end], [], data.draw(RECORD_VERSIONS))
+    assert_agrees_with_the_lenient_receiver(stream)
+    assert summary(feed_all(split(stream, cuts))) == summary(ClientHelloReader().feed(stream))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    first=st.integers(20, 24),
+    version=st.binary(min_size=2, max_size=2),
+    rest=st.binary(max_size=300),
+)
+def test_anything_that_starts_like_a_record_agrees_with_the_lenient_receiver(
+    first: int, version: bytes, rest: bytes
+) -> None:
+    assert_agrees_with_the_lenient_receiver(bytes([first]) + version + rest)
