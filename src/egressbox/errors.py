@@ -46,6 +46,9 @@ class Reason(StrEnum):
     APPROVED_SESSION = "approved_session"
     APPROVAL_DENIED = "approval_denied"
     APPROVAL_TIMEOUT = "approval_timeout"
+    # A policy reload (SIGHUP, --watch-policy, set_policy) closed an open connection, or
+    # refused a request held for an approval answer, that the new policy does not admit.
+    POLICY_RELOADED = "policy_reloaded"
     # Replies and logs only: the audit sink failed, so nothing is admitted
     # (and no record can say so).
     AUDIT_UNAVAILABLE = "audit_unavailable"

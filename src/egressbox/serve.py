@@ -75,6 +75,9 @@ class ServeOptions:
     admin_token_file: str | None = None
     # --watch-policy: reload when the policy file changes (watch.py), as SIGHUP does.
     watch_policy: bool = False
+    # --keep-open-on-reload: a reload decides new connections only; open ones (and requests
+    # held for an approval answer) are not judged again. Default: closed when it denies them.
+    keep_open_on_reload: bool = False
     # --drain-delay: seconds to keep accepting after SIGTERM while /readyz says 503.
     drain_delay: float = 0.0
     # --proxy-protocol[-from]: a PROXY protocol header first, from these senders only
@@ -576,7 +579,8 @@ async def _serve_worker(
             return
         if options.report_only:
             fresh = with_mode(fresh, Mode.REPORT)
-        proxy.set_policy(share_limits(fresh, options.workers))
+        closing = not options.keep_open_on_reload
+        proxy.set_policy(share_limits(fresh, options.workers), close_denied=closing)
         serving.reloaded(True)
         report(report_fd, "reload", message=f"policy reloaded from {options.policy_path}")
 
@@ -626,11 +630,18 @@ def _reopen(audit: JsonlFileSink) -> None:
 
 def _reload(proxy: EgressProxy, options: ServeOptions, process: ServingProcess) -> None:
     """SIGHUP and --watch-policy: one path."""
-    process.reloaded(reload_policy(proxy, options.policy_path, options.report_only))
+    closing = not options.keep_open_on_reload
+    process.reloaded(
+        reload_policy(proxy, options.policy_path, options.report_only, close_denied=closing)
+    )
 
 
-def reload_policy(proxy: EgressProxy, path: str, report_only: bool = False) -> bool:
-    """SIGHUP: load the file anew; a bad file keeps the old policy and says why."""
+def reload_policy(
+    proxy: EgressProxy, path: str, report_only: bool = False, *, close_denied: bool = True
+) -> bool:
+    """SIGHUP: load the file anew; a bad file keeps the old policy and says why. With
+    `close_denied` what is open is judged again and closed when the new policy denies it
+    (each closure audited and logged: EgressProxy.close_denied)."""
     try:
         policy = load_policy(path)
     except PolicyError as exc:
@@ -638,6 +649,6 @@ def reload_policy(proxy: EgressProxy, path: str, report_only: bool = False) -> b
         return False
     if report_only:
         policy = with_mode(policy, Mode.REPORT)
-    proxy.set_policy(policy)
+    proxy.set_policy(policy, close_denied=close_denied)
     stderr_log(f"policy reloaded from {path}")
     return True

@@ -21,6 +21,9 @@ from egressbox.policy import load_policy
 from egressbox.proxy.approval import (
     MAX_ANSWER_BYTES,
     MAX_OPEN_QUESTIONS,
+    MAX_OPEN_QUESTIONS_PER_CLIENT,
+    RELOAD_ADMITTED,
+    RELOAD_REFUSED,
     Answer,
     Approvals,
     Approved,
@@ -93,14 +96,132 @@ async def test_open_questions_are_bounded() -> None:
 
     approvals = Approvals(decider)
     held = [
-        asyncio.create_task(approvals.ask(REQUEST._replace(port=1000 + n)))
+        asyncio.create_task(approvals.ask(REQUEST._replace(port=1000 + n), client=f"10.0.0.{n}"))
         for n in range(MAX_OPEN_QUESTIONS)
     ]
     await asyncio.sleep(0)
-    over = await approvals.ask(REQUEST._replace(port=9))
+    over = await approvals.ask(REQUEST._replace(port=9), client="10.0.1.1")
     assert over.reason is Reason.APPROVAL_DENIED
+    assert "too many questions are open" in over.detail
     gate.set()
     assert {o.reason for o in await asyncio.gather(*held)} == {Reason.APPROVED}
+
+
+async def test_questions_are_bounded_per_client() -> None:
+    """One client's slow questions leave room for the others' (they are asked, not denied)."""
+    calls: list[MissRequest] = []
+    gate = asyncio.Event()
+
+    async def decider(request: MissRequest) -> str:
+        calls.append(request)
+        await gate.wait()
+        return "once"
+
+    approvals = Approvals(decider)
+    greedy = [
+        asyncio.create_task(approvals.ask(REQUEST._replace(port=2000 + n), client="10.0.0.1"))
+        for n in range(MAX_OPEN_QUESTIONS_PER_CLIENT)
+    ]
+    await asyncio.sleep(0)
+    over = await approvals.ask(REQUEST._replace(port=9), client="10.0.0.1")
+    assert (over.reason, over.allowed) == (Reason.APPROVAL_DENIED, False)
+    assert "10.0.0.1" in over.detail and "too many questions open" in over.detail
+    # Another client is asked, while the greedy one's questions are still open.
+    other = asyncio.create_task(approvals.ask(REQUEST._replace(port=9), client="10.0.0.2"))
+    async with asyncio.timeout(IO_TIMEOUT):
+        while len(calls) < MAX_OPEN_QUESTIONS_PER_CLIENT + 1:
+            await asyncio.sleep(0.01)
+    assert approvals.open_questions == MAX_OPEN_QUESTIONS_PER_CLIENT + 1
+    gate.set()
+    assert (await other).reason is Reason.APPROVED
+    assert {o.reason for o in await asyncio.gather(*greedy)} == {Reason.APPROVED}
+    # Answered: the greedy client has its room back.
+    assert (await approvals.ask(REQUEST._replace(port=9), client="10.0.0.1")).allowed
+
+
+async def test_once_admits_only_the_protocols_it_was_asked_about() -> None:
+    calls: list[MissRequest] = []
+    answers = [asyncio.Event(), asyncio.Event()]
+
+    async def decider(request: MissRequest) -> str:
+        calls.append(request)
+        await answers[len(calls) - 1].wait()
+        return "once" if len(calls) == 1 else "deny"
+
+    approvals = Approvals(decider)
+    plain = asyncio.create_task(approvals.ask(REQUEST._replace(protocol="http")))
+    async with asyncio.timeout(IO_TIMEOUT):
+        while not calls:
+            await asyncio.sleep(0.01)
+    # These join the open question after it was put about http only.
+    tunnels = [
+        asyncio.create_task(approvals.ask(REQUEST._replace(protocol=name)))
+        for name in ("connect", "socks5")
+    ]
+    await asyncio.sleep(0.01)
+    answers[0].set()
+    assert (await plain).reason is Reason.APPROVED
+    # The once answer about http admitted neither: they are asked again, together.
+    async with asyncio.timeout(IO_TIMEOUT):
+        while len(calls) < 2:
+            await asyncio.sleep(0.01)
+    assert not any(task.done() for task in tunnels)
+    assert calls == [
+        MissRequest("http", "example.test", 443),
+        MissRequest("connect", "example.test", 443, ("socks5",)),
+    ]
+    assert calls[1].protocols == ("connect", "socks5")
+    answers[1].set()
+    assert {o.reason for o in await asyncio.gather(*tunnels)} == {Reason.APPROVAL_DENIED}
+
+
+async def test_a_session_answer_admits_every_protocol_waiting() -> None:
+    calls: list[MissRequest] = []
+    gate = asyncio.Event()
+
+    async def decider(request: MissRequest) -> str:
+        calls.append(request)
+        await gate.wait()
+        return "session"
+
+    approvals = Approvals(decider)
+    first = asyncio.create_task(approvals.ask(REQUEST._replace(protocol="http")))
+    async with asyncio.timeout(IO_TIMEOUT):
+        while not calls:
+            await asyncio.sleep(0.01)
+    later = asyncio.create_task(approvals.ask(REQUEST._replace(protocol="connect")))
+    await asyncio.sleep(0.01)
+    gate.set()
+    assert {o.reason for o in await asyncio.gather(first, later)} == {Reason.APPROVED_SESSION}
+    assert len(calls) == 1
+
+
+async def test_settle_ends_the_questions_a_reload_decides(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path, "ask", f"sleep 60 &\necho $$ $! > {tmp_path}/$EGRESSBOX_HOST\nwait\necho once\n"
+    )
+    pids = tmp_path / "example.test"  # the refused question's command and its child
+    approvals = Approvals(CommandDecider([str(script)]))
+    refused = [asyncio.create_task(approvals.ask(REQUEST)) for _ in range(2)]
+    admitted = asyncio.create_task(approvals.ask(REQUEST._replace(host="now.test")))
+    standing = asyncio.create_task(approvals.ask(REQUEST._replace(host="still.test")))
+    async with asyncio.timeout(IO_TIMEOUT):
+        while not pids.exists() or approvals.open_questions < 3:
+            await asyncio.sleep(0.05)
+    verdicts = {"example.test": RELOAD_REFUSED, "now.test": RELOAD_ADMITTED}
+    assert approvals.settle(lambda host, port: verdicts.get(host)) == 2  # requests refused
+    outcomes = await asyncio.gather(*refused)
+    assert {(o.reason, o.allowed) for o in outcomes} == {(Reason.POLICY_RELOADED, False)}
+    assert (await admitted) is RELOAD_ADMITTED
+    assert not standing.done()  # the reload did not decide it: its question stands
+    # The refused question's command was killed with its process group, not left to run.
+    for pid in (int(p) for p in pids.read_text().split()):
+        deadline = time.monotonic() + IO_TIMEOUT
+        while _alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not _alive(pid)
+    await approvals.aclose()
+    assert (await standing).reason is Reason.APPROVAL_DENIED
 
 
 @pytest.mark.parametrize(
@@ -206,10 +327,50 @@ async def test_the_command_sees_only_path_and_the_request(
     # Python itself adds LC_CTYPE when it coerces a C locale (PEP 538): not ours.
     if found["env"].get("LC_CTYPE") == "C.UTF-8":
         del found["env"]["LC_CTYPE"]
-    assert set(found["env"]) == {"PATH", "EGRESSBOX_PROTOCOL", "EGRESSBOX_HOST", "EGRESSBOX_PORT"}
+    assert set(found["env"]) == {
+        "PATH",
+        "EGRESSBOX_PROTOCOL",
+        "EGRESSBOX_HOST",
+        "EGRESSBOX_PORT",
+        "EGRESSBOX_PROTOCOLS",
+    }
     assert found["env"]["EGRESSBOX_HOST"] == "203.0.113.7"
     assert found["env"]["EGRESSBOX_PORT"] == "22"
-    assert json.loads(found["line"]) == {"protocol": "tcp", "host": "203.0.113.7", "port": 22}
+    assert found["env"]["EGRESSBOX_PROTOCOLS"] == "tcp"
+    assert json.loads(found["line"]) == {
+        "protocol": "tcp",
+        "host": "203.0.113.7",
+        "port": 22,
+        "protocols": ["tcp"],
+    }
+
+
+async def test_a_shared_question_is_put_to_the_command_with_every_protocol(
+    tmp_path: Path,
+) -> None:
+    seen = tmp_path / "seen.jsonl"
+    script = _script(
+        tmp_path,
+        "ask",
+        f"""        read line
+        printf '%s %s\n' "$line" "$EGRESSBOX_PROTOCOLS" >> {seen}
+        echo once
+        """,
+    )
+    approvals = Approvals(CommandDecider([str(script)]))
+    asked = [REQUEST._replace(protocol=name) for name in ("http", "connect", "socks5")]
+    # Made in one turn of the loop: all three wait when the question is put.
+    outcomes = await asyncio.gather(*(approvals.ask(request) for request in asked))
+    assert {o.reason for o in outcomes} == {Reason.APPROVED}
+    line, _, protocols = seen.read_text().strip().rpartition(" ")
+    assert json.loads(line) == {
+        "protocol": "http",
+        "host": "example.test",
+        "port": 443,
+        "protocols": ["http", "connect", "socks5"],
+    }
+    assert protocols == "http,connect,socks5"
+    assert len(seen.read_text().splitlines()) == 1  # one question for the three
 
 
 @pytest.mark.parametrize(

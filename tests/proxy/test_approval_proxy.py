@@ -283,26 +283,36 @@ async def test_concurrent_misses_share_one_question(
     waiting: list[MissRequest] = []
     ask = approvals.ask
 
-    async def counted(request: MissRequest) -> Any:
+    async def counted(request: MissRequest, **kwargs: Any) -> Any:
         waiting.append(request)
-        return await ask(request)
+        return await ask(request, **kwargs)
 
     monkeypatch.setattr(approvals, "ask", counted)
     url = origin.url(UNLISTED)
     fetches = [
         asyncio.create_task(_fetch(curl, setup.proxy, listener, url))
-        for listener in ("connect", "connect", "http")
+        for listener in ("connect", "connect")
     ]
+    async with asyncio.timeout(IO_TIMEOUT):
+        while len(waiting) < len(fetches) or not setup.asker.asked:
+            await asyncio.sleep(POLL)
+    # A plain request joins the question already put about CONNECT.
+    fetches.append(asyncio.create_task(_fetch(curl, setup.proxy, "http", url)))
     async with asyncio.timeout(IO_TIMEOUT):
         while len(waiting) < len(fetches):
             await asyncio.sleep(POLL)
     # Held without a reply, and counted as open connections meanwhile.
     assert len(setup.proxy.state.connections) + len(setup.proxy.state.forwarders) >= len(fetches)
-    assert len(setup.asker.asked) == 1
+    assert setup.asker.asked == [MissRequest("connect", UNLISTED, origin.port)]
     gate.set()
     results = await asyncio.gather(*fetches)
     assert all(b"hello from v4" in r.stdout for r in results), results
-    assert len(setup.asker.asked) == 1
+    # The once answer about CONNECT admitted both tunnels; the plain request was asked
+    # about on its own (a once answer admits the protocols it was asked about only).
+    assert setup.asker.asked == [
+        MissRequest("connect", UNLISTED, origin.port),
+        MissRequest("http", UNLISTED, origin.port),
+    ]
     assert sorted(r[4] for r in setup.records()) == ["approved"] * 3
     await _until_idle(setup.proxy)
 

@@ -1,7 +1,7 @@
 """The library's lifecycle of a confined run: cancelling it (or closing its event loop)
 kills and reaps the launcher and releases every descriptor, and a policy swapped under a
-running command decides new connections at once and, with close_denied, closes the open
-ones it no longer admits.
+running command decides new connections at once and (unless close_denied=False) closes the
+open ones it no longer admits.
 
 The runs use the real library in the pytest process (the launcher is forked from here),
 in a network namespace, against origins on 127.0.0.1 that the child reaches only through
@@ -349,7 +349,7 @@ async def test_set_policy_closes_what_it_no_longer_admits_and_decides_anew(
             assert await a_in.readexactly(2) == b"A\n"
             assert await b_in.readexactly(2) == b"B\n"
         second = _policy(b.port)
-        assert handle.set_policy(second, close_denied=True) == 2
+        assert handle.set_policy(second) == 2  # closing what it denies is the default
         assert handle.policy is second
         # Seen from the origins: A's tunnel and C's kept connection are closed...
         assert await _sees_close(a_in)
@@ -374,16 +374,21 @@ async def test_set_policy_closes_what_it_no_longer_admits_and_decides_anew(
         "a again 403",  # decided by the new policy
     ]
     seen = [(r.protocol.value, r.port, r.decision.value, r.reason.value) for r in result.records]
-    assert seen == [
+    assert seen[:3] == [
         ("connect", a.port, "allow", "allowed"),
         ("connect", b.port, "allow", "allowed"),
         ("http", c.port, "allow", "allowed"),
-        ("connect", a.port, "deny", "no_allow_rule"),
     ]
+    # Each closure has its own record, then the new decision.
+    assert sorted(seen[3:5]) == [
+        ("connect", a.port, "deny", "policy_reloaded"),
+        ("http", c.port, "deny", "policy_reloaded"),
+    ]
+    assert seen[5:] == [("connect", a.port, "deny", "no_allow_rule")]
 
 
 @pytest.mark.usefixtures("dials")
-async def test_set_policy_without_close_denied_leaves_open_tunnels_alone(
+async def test_set_policy_with_close_denied_false_leaves_open_tunnels_alone(
     held: Callable[..., Coroutine[Any, Any, HeldOrigin]],
 ) -> None:
     origin = await held()
@@ -397,7 +402,7 @@ async def test_set_policy_without_close_denied_leaves_open_tunnels_alone(
         async with asyncio.timeout(IO_TIMEOUT):
             assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         inside, outside = await origin.connection()
-        assert proxy.set_policy(_policy()) == 0
+        assert proxy.set_policy(_policy(), close_denied=False) == 0
         # Still open: a reload alone decides new connections only.
         outside.write(b"still\n")
         async with asyncio.timeout(IO_TIMEOUT):

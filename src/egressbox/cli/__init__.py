@@ -235,6 +235,13 @@ def _add_serve_operations(p: argparse.ArgumentParser) -> None:
         "update too), as SIGHUP does: a bad file keeps the old policy",
     )
     p.add_argument(
+        "--keep-open-on-reload",
+        action="store_true",
+        help="a reload (SIGHUP, --watch-policy) decides new connections only; by default "
+        "open tunnels, kept-alive and WebSocket connections and requests held for an "
+        "--ask-command answer that the new policy denies are closed (audited policy_reloaded)",
+    )
+    p.add_argument(
         "--drain-delay",
         type=float,
         default=0.0,
@@ -698,6 +705,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         admin=args.admin,
         admin_token_file=args.admin_token_file,
         watch_policy=args.watch_policy,
+        keep_open_on_reload=args.keep_open_on_reload,
         drain_delay=args.drain_delay,
         proxy_protocol_from=_proxy_protocol_from(args),
         upstream=args.upstream,

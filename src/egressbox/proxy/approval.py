@@ -3,25 +3,34 @@
 The gate (gate.py) hands a request whose only fault is `no_allow_rule` to `Approvals.ask()`
 instead of refusing it, and the connection waits there without a reply. The decider (a
 callback, the `--ask-command` program, or the terminal prompt of `run --ask`) answers `deny`,
-`once` (this request) or `session` (this host and port until the proxy stops); no answer within
-`timeout` seconds denies. Concurrent misses for the same host and port share one question.
+`once` (the requests it was asked about) or `session` (this host and port until the proxy
+stops); no answer within `timeout` seconds denies. Concurrent misses for the same host and port
+share one question, asked with every protocol of the requests waiting when it is put; a `once`
+answer admits the requests of those protocols only, and a request of another protocol that
+joined later is asked about again (a `deny` or `session` answer is about the host and port, so
+it settles every waiting request). Open questions are bounded in total and per client, so one
+client cannot make every other client's miss denied unasked.
 
-An answer only lifts the missing allow entry for the name: the gate then resolves the name
-and judges every address exactly as for an allowed name (deny_cidrs, cloud metadata, the
-private and special ranges, the proxy's own listeners). Deny entries, bad hosts and ports,
-report mode and DNS questions of a captured child are never asked about; neither is an IP
-literal whose address is refused anyway.
+An answer only lifts the missing allow entry for the name, under the policy in force when the
+answer arrives (gate.py): a deny entry, deny_cidrs, cloud metadata, the private and special
+ranges and the proxy's own listeners win whatever the decider said. Deny entries, bad hosts and
+ports, report mode and DNS questions of a captured child are never asked about; neither is an
+IP literal whose address is refused anyway. A policy reload settles the open questions its name
+rules decide (settle()): refused with `policy_reloaded`, or admitted by a new allow entry.
 
 Reasons in the audit record (one per request, as always): `approved` (allowed once),
 `approved_session` (the session answer, and every later request it admits), `approval_denied`
-(the decider said deny, failed, or gave no valid answer) and `approval_timeout`.
+(the decider said deny, failed, or gave no valid answer), `approval_timeout`, and
+`policy_reloaded` (a reload refused the request while its question was open).
 
 The `--ask-command` protocol: the program (no shell) gets one JSON line on stdin,
-`{"protocol": "connect", "host": "example.org", "port": 443}`, and the same three values in
-EGRESSBOX_PROTOCOL, EGRESSBOX_HOST and EGRESSBOX_PORT; its environment holds nothing else but
-PATH. It answers with one word on the first line of stdout: `deny`, `once` or `session`. A
-non-zero exit status, any other answer or more than MAX_ANSWER_BYTES of output deny; when the
-question times out (or the proxy stops), its process group is killed.
+`{"protocol": "connect", "host": "example.org", "port": 443, "protocols": ["connect"]}`, and
+the same values in EGRESSBOX_PROTOCOL, EGRESSBOX_HOST, EGRESSBOX_PORT and EGRESSBOX_PROTOCOLS
+(comma-separated); its environment holds nothing else but PATH. `protocols` lists every
+protocol the question covers (`protocol` is the first of them), so a `once` answer is given
+knowing what it admits. It answers with one word on the first line of stdout: `deny`, `once`
+or `session`. A non-zero exit status, any other answer or more than MAX_ANSWER_BYTES of output
+deny; when the question times out (or the proxy stops), its process group is killed.
 """
 
 from __future__ import annotations
@@ -46,6 +55,13 @@ DEFAULT_TIMEOUT = 30.0
 # Distinct questions open at once; more are denied at once (a client inventing names must not
 # queue unbounded work behind a person or a program).
 MAX_OPEN_QUESTIONS = 16
+# Of those, how many one client address may have opened: a quarter, so one slow or hostile
+# client leaves three quarters of the room to the others (sixteen questions from one client
+# used to make every other client's miss denied unasked).
+MAX_OPEN_QUESTIONS_PER_CLIENT = 4
+# How often one request may be asked about again because a `once` answer covered other
+# protocols only: one round per protocol there is (http, connect, socks5, tcp).
+MAX_ASK_ROUNDS = 4
 # The longest answer --ask-command may write ("session\n" is 8 bytes).
 MAX_ANSWER_BYTES = 256
 # After a killed --ask-command, how long to wait for it to be reaped.
@@ -65,15 +81,23 @@ class Answer(StrEnum):
 
 
 class MissRequest(NamedTuple):
-    """What a decider is asked about: the request's protocol and its normalized target."""
+    """What a decider is asked about: the request's protocol and its normalized target (and
+    the other protocols of the requests sharing the question, if any)."""
 
     protocol: str  # http | connect | socks5 | tcp
     host: str
     port: int
+    # Empty for a question about one protocol: equal to the three-field request then.
+    also: tuple[str, ...] = ()
 
     @property
     def authority(self) -> str:
         return format_authority(self.host, self.port)
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        """Every protocol the question covers (what a `once` answer admits)."""
+        return (self.protocol, *self.also)
 
 
 # A decider: sync or async, answering an Answer or its text. A sync one runs on the event
@@ -95,6 +119,29 @@ class Outcome(NamedTuple):
 
 
 _STOPPED = Outcome(Answer.DENY, Reason.APPROVAL_DENIED, "not answered: the proxy stopped")
+# settle()'s outcomes: a reload's name rules decided the question before any answer.
+RELOAD_REFUSED = Outcome(
+    Answer.DENY, Reason.POLICY_RELOADED, "the reloaded policy refuses it before any answer"
+)
+RELOAD_ADMITTED = Outcome(Answer.ONCE, Reason.ALLOWED, "an allow entry of the reloaded policy")
+
+
+class _Question:
+    """One open question (per host and port): its task, the protocols of the requests waiting
+    on it, those it was put with (set when the decider is called) and who opened it."""
+
+    __slots__ = ("asked", "client", "protocols", "settled", "task", "waiting")
+
+    def __init__(self, protocol: str, client: str) -> None:
+        self.protocols = [protocol]
+        self.asked: tuple[str, ...] = ()
+        self.client = client
+        self.settled: Outcome | None = None  # settle()'s outcome, replacing the answer
+        self.waiting = 0
+        self.task: asyncio.Task[Outcome] | None = None
+
+
+_SESSION = Outcome(Answer.SESSION, Reason.APPROVED_SESSION, "approved for the session")
 
 
 class Approved(NamedTuple):
@@ -118,7 +165,8 @@ class Approvals:
         self.log = log
         self._session: dict[tuple[str, int], None] = {}
         self._approved: dict[tuple[str, int], Answer] = {}
-        self._open: dict[tuple[str, int], asyncio.Task[Outcome]] = {}
+        self._open: dict[tuple[str, int], _Question] = {}
+        self._by_client: dict[str, int] = {}  # open questions per client that opened them
         self._closed = False
 
     def admits(self, host: str, port: int) -> bool:
@@ -130,40 +178,103 @@ class Approvals:
         wins over an earlier once."""
         return [Approved(host, port, answer) for (host, port), answer in self._approved.items()]
 
-    async def ask(self, request: MissRequest) -> Outcome:
-        """The outcome for `request`: at once for a session answer, else the (shared) question."""
+    @property
+    def open_questions(self) -> int:
+        return len(self._open)
+
+    async def ask(self, request: MissRequest, *, client: str = "") -> Outcome:
+        """The outcome for `request` (from the client address `client`): at once for a
+        session answer, else the (shared) question's. A `once` answer to a question put with
+        other protocols than this request's asks again."""
+        for _ in range(MAX_ASK_ROUNDS):
+            outcome, asked = await self._ask_once(request, client)
+            # A decider's `once` is about the protocols it was asked with, no others.
+            if outcome.reason is not Reason.APPROVED or request.protocol in asked:
+                return outcome
+        return Outcome(Answer.DENY, Reason.APPROVAL_DENIED, "not asked: asked too often")
+
+    async def _ask_once(self, request: MissRequest, client: str) -> tuple[Outcome, tuple[str, ...]]:
         key = (request.host, request.port)
         if key in self._session:
-            return Outcome(Answer.SESSION, Reason.APPROVED_SESSION, "approved for the session")
-        task = self._open.get(key)
-        if task is None:
-            if self._closed or len(self._open) >= MAX_OPEN_QUESTIONS:
-                why = "the proxy is stopping" if self._closed else "too many questions are open"
-                return Outcome(Answer.DENY, Reason.APPROVAL_DENIED, f"not asked: {why}")
-            task = asyncio.get_running_loop().create_task(self._question(request))
-            self._open[key] = task
-            task.add_done_callback(lambda done: self._closed_question(key, done))
+            return _SESSION, ()
+        question = self._open.get(key)
+        if question is None:
+            refused = self._room_for(client)
+            if refused:
+                return Outcome(Answer.DENY, Reason.APPROVAL_DENIED, f"not asked: {refused}"), ()
+            question = _Question(request.protocol, client)
+            opened = asyncio.get_running_loop().create_task(self._question(request, question))
+            question.task = opened
+            self._open[key] = question
+            self._by_client[client] = self._by_client.get(client, 0) + 1
+            opened.add_done_callback(lambda done: self._closed_question(key, question))
+        elif request.protocol not in question.protocols:
+            question.protocols.append(request.protocol)
+        task = question.task
+        assert task is not None
+        question.waiting += 1
         # Shielded: one waiter leaving (its client gone) must not end the others' question.
         try:
-            return await asyncio.shield(task)
+            return await asyncio.shield(task), question.asked
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if task.cancelled() and (current is None or not current.cancelling()):
-                return _STOPPED  # close() ended the question before it began
+                # Ended before it began: by settle() (a reload) or by close().
+                settled = question.settled
+                return (settled if settled is not None else _STOPPED), ()
             raise
+        finally:
+            question.waiting -= 1
 
-    def _closed_question(self, key: tuple[str, int], task: asyncio.Task[Outcome]) -> None:
-        if self._open.get(key) is task:
+    def _room_for(self, client: str) -> str:
+        """Why a new question from `client` is not put (empty: it is)."""
+        if self._closed:
+            return "the proxy is stopping"
+        if len(self._open) >= MAX_OPEN_QUESTIONS:
+            return "too many questions are open"
+        if self._by_client.get(client, 0) >= MAX_OPEN_QUESTIONS_PER_CLIENT:
+            return f"this client ({client or '-'}) has too many questions open"
+        return ""
+
+    def _closed_question(self, key: tuple[str, int], question: _Question) -> None:
+        if self._open.get(key) is question:
             del self._open[key]
+        count = self._by_client.get(question.client, 0) - 1
+        if count > 0:
+            self._by_client[question.client] = count
+        else:
+            self._by_client.pop(question.client, None)
 
-    async def _question(self, request: MissRequest) -> Outcome:
+    def settle(self, judge: Callable[[str, int], Outcome | None]) -> int:
+        """A policy reload: `judge` each open question's host and port; one it answers (a
+        refusal or an admission by the new rules) ends with that outcome and its decider is
+        stopped (a command is killed). Returns how many waiting requests were refused."""
+        refused = 0
+        for (host, port), question in list(self._open.items()):
+            outcome = judge(host, port)
+            if outcome is None or question.settled is not None or question.task is None:
+                continue
+            question.settled = outcome
+            question.task.cancel()
+            if not outcome.allowed:
+                refused += question.waiting
+        return refused
+
+    async def _question(self, request: MissRequest, question: _Question) -> Outcome:
+        # Put now (a turn after it was opened): every request that joined meanwhile is in it.
+        question.asked = tuple(question.protocols)
+        request = request._replace(protocol=question.asked[0], also=question.asked[1:])
         try:
+            if question.settled is not None:
+                return question.settled
             async with asyncio.timeout(self.timeout):
                 answer = await self._call(request)
         except TimeoutError:
             detail = f"no answer within {self.timeout:g} s"
             return Outcome(Answer.DENY, Reason.APPROVAL_TIMEOUT, detail)
         except asyncio.CancelledError:
+            if question.settled is not None:
+                return question.settled  # settle(): the reload decided it
             if not self._closed:
                 raise
             # close(): every request still waiting gets its refusal, audited as any other.
@@ -193,7 +304,7 @@ class Approvals:
         if chosen is Answer.SESSION:
             self._session[key] = None
             self._approved[key] = chosen
-            return Outcome(chosen, Reason.APPROVED_SESSION, "approved for the session")
+            return _SESSION
         self._approved.setdefault(key, chosen)
         return Outcome(chosen, Reason.APPROVED, "approved once")
 
@@ -204,12 +315,13 @@ class Approvals:
     def close(self) -> None:
         """Deny every open question now (the proxy stops); new ones are denied too."""
         self._closed = True
-        for task in list(self._open.values()):
-            task.cancel()
+        for question in list(self._open.values()):
+            if question.task is not None:
+                question.task.cancel()
 
     async def aclose(self) -> None:
         """close(), then wait (bounded) until the deciders have let go (a killed command)."""
-        tasks = list(self._open.values())
+        tasks = [question.task for question in self._open.values() if question.task is not None]
         self.close()
         if tasks:
             await asyncio.wait(tasks, timeout=CLOSE_WAIT)
@@ -248,11 +360,17 @@ class CommandDecider:
             "EGRESSBOX_PROTOCOL": request.protocol,
             "EGRESSBOX_HOST": request.host,
             "EGRESSBOX_PORT": str(request.port),
+            "EGRESSBOX_PROTOCOLS": ",".join(request.protocols),
         }
 
     async def __call__(self, request: MissRequest) -> Answer:
         line = json.dumps(
-            {"protocol": request.protocol, "host": request.host, "port": request.port}
+            {
+                "protocol": request.protocol,
+                "host": request.host,
+                "port": request.port,
+                "protocols": list(request.protocols),
+            }
         )
         proc = await asyncio.create_subprocess_exec(
             *self.argv,

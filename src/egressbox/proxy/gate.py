@@ -30,16 +30,23 @@ from egressbox.decide import (
     SelfEndpoints,
     bad_target,
     decide_addresses,
+    decide_name,
     deny,
     parse_target,
 )
-from egressbox.egress import Pending, check_now
+from egressbox.egress import Pending, check_now, recheck
 from egressbox.errors import AuditError, HostError, Reason, Verdict
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.limits import Limits
 from egressbox.policy import Policy
 from egressbox.protocols.upstream import Upstream
-from egressbox.proxy.approval import Approvals, MissRequest
+from egressbox.proxy.approval import (
+    RELOAD_ADMITTED,
+    RELOAD_REFUSED,
+    Approvals,
+    MissRequest,
+    Outcome,
+)
 from egressbox.relay import (
     RelayStats,
     Tunnel,
@@ -56,6 +63,7 @@ _AUDIT_UNAVAILABLE: Final = Reason.AUDIT_UNAVAILABLE
 _DENY: Final = Verdict.DENY
 _DNS: Final = AuditProtocol.DNS
 _NO_ALLOW_RULE: Final = Reason.NO_ALLOW_RULE
+_POLICY_RELOADED: Final = Reason.POLICY_RELOADED
 _TOO_MANY_CONNECTIONS: Final = Reason.TOO_MANY_CONNECTIONS
 
 Log = Callable[[str], None]
@@ -327,11 +335,13 @@ def gate_now(
     *,
     over_limit: bool = False,
     record_port: int | None = None,
+    client: str = "",
 ) -> Decision | Pending:
     """The audited decision for `host:port` if it needs no DNS query, else a Pending to
     finish and pass to gate_audited(). The proxy's own state (an audit log that cannot be
     written, too many connections) refuses like any other decision. `record_port` replaces
-    the port in the audit record (a DNS question has none: 0)."""
+    the port in the audit record (a DNS question has none: 0). `client` (the peer's address)
+    is whom a held question is counted against (approval.py's per-client bound)."""
     if state.audit_error is not None and not state.audit_recovered():
         return _refusal(host, port, _AUDIT_UNAVAILABLE, state.audit_error)
     if over_limit:
@@ -341,10 +351,12 @@ def gate_now(
             state.policy, state.resolver, host, port, self_endpoints=state.self_endpoints
         )
         if isinstance(decided, Pending):
-            return decided
+            # Finished under the policy in force when its answer comes (a reload may come
+            # while the name is resolved).
+            return CurrentPending(state, decided)
         decision = decided
         if state.approvals is not None and decision.reason is _NO_ALLOW_RULE:
-            held = _held(state, protocol, decision, host, port)
+            held = _held(state, protocol, decision, host, port, client=client)
             if held is not None:
                 return held
     return gate_audited(state, protocol, decision, host, port, record_port=record_port)
@@ -369,6 +381,40 @@ def gate_audited(
     return decision
 
 
+class CurrentPending(Pending):
+    """A Pending whose decision is the policy's in force when the DNS answer arrives: when a
+    reload swapped the policy meanwhile, the resolved addresses are judged again under the
+    new one (egress.recheck: no second query). Else a reload's close_denied(), which sees no
+    target for a decision in flight, would leave what the old policy admitted open."""
+
+    __slots__ = ("inner", "state")
+
+    def __init__(self, state: ProxyState, inner: Pending) -> None:
+        super().__init__(inner.policy, inner.resolver, inner.passed, inner.self_endpoints)
+        self.state = state
+        self.inner = inner
+
+    async def finish(self) -> Decision:
+        decision = await self.inner.finish()
+        return _under_current(self.state, self.policy, decision)
+
+
+def _under_current(state: ProxyState, started: Policy | None, decision: Decision) -> Decision:
+    """`decision`, made under `started`, judged again under the policy in force now if a
+    reload replaced it (a refusal stays one)."""
+    current = state.policy
+    if current is started or not decision.allowed:
+        return decision
+    again = recheck(
+        current,
+        decision.host,
+        decision.port,
+        decision.addresses,
+        self_endpoints=state.self_endpoints,
+    )
+    return decision if again.allowed and again.reason is decision.reason else again
+
+
 def _refusal(host: str, port: int | str, reason: Reason, detail: str) -> Decision:
     try:
         target = parse_target(host, port)
@@ -381,7 +427,13 @@ def _refusal(host: str, port: int | str, reason: Reason, detail: str) -> Decisio
 
 
 def _held(
-    state: ProxyState, protocol: AuditProtocol, decision: Decision, host: str, port: int | str
+    state: ProxyState,
+    protocol: AuditProtocol,
+    decision: Decision,
+    host: str,
+    port: int | str,
+    *,
+    client: str,
 ) -> HeldMiss | None:
     """A miss the approvals may lift, held as a Pending; None to refuse it as it is. Only a
     plain `no_allow_rule` denial qualifies (report mode lets misses through unasked); a DNS
@@ -400,56 +452,106 @@ def _held(
         checked = decide_addresses(policy, passed, (ip,), self_endpoints=state.self_endpoints)
         if not checked.allowed:
             return None
-    return HeldMiss(
-        policy,
-        state.resolver,
-        passed,
-        state.self_endpoints,
-        approvals=approvals,
-        protocol=protocol,
-    )
+    return HeldMiss(state, passed, approvals=approvals, protocol=protocol, client=client)
 
 
 class HeldMiss(Pending):
     """A request no allow entry admits, held while the approvals answer. A Pending, so every
-    caller awaits it (and audits the result) as it awaits a DNS query. An allow answer lifts
-    the missing entry for the name only: the name is then resolved and every address judged
-    as for an allowed name, under the policy the request came in with."""
+    caller awaits it (and audits the result) as it awaits a DNS query.
 
-    __slots__ = ("approvals", "protocol")
+    The answer is applied under the policy in force when it arrives, not the one the request
+    came in with: a deny entry (or any refusal by the name rules) added by a reload meanwhile
+    wins whatever the decider said, and an allow entry added meanwhile admits it as any allowed
+    name. An allow answer lifts the missing entry for the name only: the name is then resolved
+    and every address judged as for an allowed name (deny_cidrs, metadata, the private and
+    special ranges and the proxy's own listeners are never approvable)."""
+
+    __slots__ = ("approvals", "client", "protocol", "state")
 
     def __init__(
         self,
-        policy: Policy,
-        resolver: Resolver,
+        state: ProxyState,
         passed: NamePass,
-        self_endpoints: SelfEndpoints,
         *,
         approvals: Approvals,
         protocol: AuditProtocol,
+        client: str,
     ) -> None:
-        super().__init__(policy, resolver, passed, self_endpoints)
+        assert state.policy is not None  # a miss is held only under a policy
+        super().__init__(state.policy, state.resolver, passed, state.self_endpoints)
+        self.state = state
         self.approvals = approvals
         self.protocol = protocol
+        self.client = client
 
     async def finish(self) -> Decision:
         target = self.passed.target
         request = MissRequest(self.protocol.value, target.host.text, target.port)
-        outcome = await self.approvals.ask(request)
-        if not outcome.allowed:
-            return deny(outcome.reason, target, f"no allow entry admits it; {outcome.detail}")
+        outcome = await self.approvals.ask(request, client=self.client)
+        if outcome.reason is _POLICY_RELOADED:
+            return deny(_POLICY_RELOADED, target, outcome.detail)
+        state = self.state
+        policy = state.policy  # the policy in force now, when the answer has come
+        named = decide_name(policy, target)
+        lifted = False
+        if isinstance(named, Decision):
+            if named.reason is not _NO_ALLOW_RULE:
+                self._overridden(outcome, named)
+                return named  # a deny entry (or no policy at all): never approvable
+            if not outcome.allowed:
+                return deny(outcome.reason, target, f"no allow entry admits it; {outcome.detail}")
+            named, lifted = NamePass(target, None), True
+        assert policy is not None  # decide_name refuses everything without a policy
         ip = target.host.ip
         if ip is not None:
-            decision = decide_addresses(
-                self.policy, self.passed, (ip,), self_endpoints=self.self_endpoints
-            )
+            decision = decide_addresses(policy, named, (ip,), self_endpoints=state.self_endpoints)
         else:
             # A plain Pending for the rest: the same resolution and address checks.
-            resolving = Pending(self.policy, self.resolver, self.passed, self.self_endpoints)
-            decision = await resolving.finish()
-        if decision.reason is not _ALLOWED:
+            resolving = Pending(policy, state.resolver, named, state.self_endpoints)
+            decision = _under_current(state, policy, await resolving.finish())
+        if not lifted or decision.reason is not _ALLOWED:
             return decision  # an address refused it (or DNS failed): approval lifts no ban
         return dataclasses.replace(decision, reason=outcome.reason, detail=outcome.detail)
+
+    def _overridden(self, outcome: Outcome, decision: Decision) -> None:
+        if outcome.allowed and self.state.log is not None:
+            self.state.diagnostic(
+                f"{self.protocol} {format_authority(decision.host, decision.port)}: the answer"
+                f" ({outcome.answer.value}) is overridden by the policy in force now"
+                f" ({decision.reason.value})"
+            )
+
+
+def settle_held(state: ProxyState) -> int:
+    """A reload: judge each open approval question by the name rules of the policy now in
+    force (and an IP literal's address too; a name's addresses are judged when the answer
+    comes, without DNS now). A refusal ends the question at once (its requests are refused
+    with `policy_reloaded`, its decider stopped); an allow entry that now admits the target
+    lets its requests go on as allowed names. Returns how many requests were refused."""
+    approvals = state.approvals
+    if approvals is None:
+        return 0
+
+    def judge(host: str, port: int) -> Outcome | None:
+        try:
+            target = parse_target(host, port)
+        except HostError:
+            return RELOAD_REFUSED
+        named = decide_name(state.policy, target)
+        if isinstance(named, Decision):
+            return None if named.reason is _NO_ALLOW_RULE else RELOAD_REFUSED
+        if named.rule is None:
+            return None  # report mode's pass: the question stands, the answer is re-judged
+        ip = target.host.ip
+        if ip is not None and state.policy is not None:
+            checked = decide_addresses(
+                state.policy, named, (ip,), self_endpoints=state.self_endpoints
+            )
+            if not checked.allowed:
+                return RELOAD_REFUSED
+        return RELOAD_ADMITTED
+
+    return approvals.settle(judge)
 
 
 def recheck_session_approved(state: ProxyState, target: OpenTarget) -> Decision | None:

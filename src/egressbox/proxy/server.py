@@ -29,9 +29,9 @@ from egressbox.audit import (
     AuditRecord,
     AuditSink,
 )
-from egressbox.decide import SelfEndpoints
+from egressbox.decide import Decision, SelfEndpoints
 from egressbox.egress import recheck
-from egressbox.errors import Reason
+from egressbox.errors import AuditError, Reason, Verdict
 from egressbox.hosts import IPAddress, format_authority
 from egressbox.limits import Limits
 from egressbox.netinfo import local_addresses
@@ -54,6 +54,7 @@ from egressbox.proxy.gate import (
     ProxyState,
     RecordCallback,
     recheck_session_approved,
+    settle_held,
 )
 from egressbox.proxy.listeners import ProxyHeaderConnection, ProxyHeaderGate
 from egressbox.proxy.tunnel import Connection
@@ -329,13 +330,17 @@ class EgressProxy:
 
     # -- views and controls --------------------------------------------------------
 
-    def set_policy(self, policy: Policy, *, close_denied: bool = False) -> int:
-        """Swap the policy atomically: connections decided from now on use it.
+    def set_policy(self, policy: Policy, *, close_denied: bool = True) -> int:
+        """Swap the policy atomically: connections decided from now on use it, and what is
+        open is judged again (close_denied()): the open connections and the requests held
+        for an approval answer that it would not admit are closed, each audited with
+        `policy_reloaded`. Returns how many. With `close_denied=False` (serve
+        --keep-open-on-reload) open connections are left alone and held questions wait for
+        their answer (which is still applied under this policy).
 
         Its [limits] apply to new connections; its [dns] settings replace the
-        resolver unless the caller supplied one. With `close_denied`, open
-        connections it would not admit are closed too (see close_denied());
-        returns how many were closed.
+        resolver unless the caller supplied one. Cached decisions are never reused
+        under another policy (egress.check_now's memo holds the policy it was made by).
         """
         state = self.state
         old = state.policy
@@ -348,46 +353,78 @@ class EgressProxy:
         return self.close_denied() if close_denied else 0
 
     def close_denied(self) -> int:
-        """Abort every open tunnel, forwarding connection and dial in flight that the
-        current policy would not admit now; return how many.
+        """Close everything open that the current policy would not admit now; return how
+        many connections (and held requests) were closed.
 
-        Each is judged with egress.recheck on the target and addresses it was
-        admitted with: the rules of a new decision, without DNS and without an
-        audit record (its own decision was audited). A decision still waiting
-        for its DNS answer finishes under the policy it started with; a later
-        close_denied() sees what it opened.
+        Every open tunnel (CONNECT, SOCKS5, captured), forwarding connection (kept alive
+        between requests, or upgraded to a WebSocket) and dial in flight is judged with
+        egress.recheck on the target and the addresses it was admitted with and connected
+        to: the rules of a new decision, without DNS (names by the name rules, addresses
+        by the new CIDR rules and bans), so a reload never waits on a resolver. Each one
+        closed gets an audit record of its own (`deny`, `policy_reloaded`) and a line on
+        the log saying the rule that closed it. Requests held for an approval answer are
+        judged by the name rules (gate.settle_held). A decision waiting for its DNS answer
+        is judged under the policy in force when the answer comes (gate.CurrentPending).
         """
         state = self.state
-        closed = 0
+        judged: dict[tuple[str, int, tuple[IPAddress, ...]], Decision] = {}
+        closed = settle_held(state)
         held: list[Held] = [*state.connections, *state.forwarders]
         for tunnel, end in list(state.tunnels.items()):
-            if not self._admits(end.target()):
+            target = end.target()
+            if not self._admits(target, judged):
                 tunnel.abort()
+                self._audit_closed(target)
                 closed += 1
         for item in held:
-            target = item.target()
-            if target is not None and not self._admits(target):
+            found = item.target()
+            if found is not None and not self._admits(found, judged):
                 item.abort()
+                self._audit_closed(found)
                 closed += 1
         return closed
 
-    def _admits(self, target: OpenTarget) -> bool:
+    def _admits(
+        self,
+        target: OpenTarget,
+        judged: dict[tuple[str, int, tuple[IPAddress, ...]], Decision],
+    ) -> bool:
+        """Whether the policy admits `target` now; `judged` keeps this pass's decisions
+        (a thousand tunnels to one host are judged once)."""
         state = self.state
-        decision = recheck(
-            state.policy,
-            target.host,
-            target.port,
-            target.addresses,
-            self_endpoints=state.self_endpoints,
-        )
-        if decision.reason is Reason.NO_ALLOW_RULE:
-            decision = recheck_session_approved(state, target) or decision
+        key = (target.host, target.port, target.addresses)
+        decision = judged.get(key)
+        if decision is None:
+            decision = recheck(
+                state.policy,
+                target.host,
+                target.port,
+                target.addresses,
+                self_endpoints=state.self_endpoints,
+            )
+            if decision.reason is Reason.NO_ALLOW_RULE:
+                decision = recheck_session_approved(state, target) or decision
+            judged[key] = decision
         if not decision.allowed and state.log is not None:
             state.diagnostic(
                 f"{target.protocol} {format_authority(target.host, target.port)} closed:"
-                f" the policy now denies it ({decision.reason.value})"
+                f" the reloaded policy denies it ({decision.reason.value})"
             )
         return decision.allowed
+
+    def _audit_closed(self, target: OpenTarget) -> None:
+        """The closure's own record: `deny` with `policy_reloaded` (an audit log that
+        cannot be written stops admission as always; the connection is closed anyway)."""
+        closure = Decision(
+            Verdict.DENY,
+            Reason.POLICY_RELOADED,
+            target.host,
+            target.port,
+            target.addresses,
+            detail="closed: the reloaded policy does not admit it",
+        )
+        with contextlib.suppress(AuditError):
+            self.state.emit_decision(target.protocol, closure)
 
     @property
     def policy(self) -> Policy | None:

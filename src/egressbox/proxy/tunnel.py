@@ -318,7 +318,14 @@ class Connection(asyncio.Protocol):
     def decide_now(self, host: str, port: int | str) -> Decision | Pending:
         """The audited decision if it needs no DNS query, else a Pending to finish
         (then audit it with decide()'s rules: see _audited)."""
-        return gate_now(self.state, self.protocol_name, host, port, over_limit=self.over_limit)
+        return gate_now(
+            self.state,
+            self.protocol_name,
+            host,
+            port,
+            over_limit=self.over_limit,
+            client=self.client,
+        )
 
     def _audited(self, decision: Decision, host: str, port: int | str) -> Decision:
         return gate_audited(self.state, self.protocol_name, decision, host, port)

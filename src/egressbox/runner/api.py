@@ -168,11 +168,12 @@ class ConfinedProcess:
         """The policy the run's proxy decides with now."""
         return self._proxy.policy
 
-    def set_policy(self, policy: Policy, *, close_denied: bool = False) -> int:
+    def set_policy(self, policy: Policy, *, close_denied: bool = True) -> int:
         """Change the running command's egress policy: decisions from now on use it.
 
-        With `close_denied`, open tunnels and forwarding connections that the
-        new policy would not admit are closed too (EgressProxy.close_denied);
+        Open tunnels, forwarding connections and held questions that the new
+        policy would not admit are closed too, each audited `policy_reloaded`
+        (EgressProxy.close_denied; `close_denied=False` leaves them open);
         returns how many. Only the [egress], [dns] and [limits] tables can
         change under a running command: its sandbox stays as it started.
         """
