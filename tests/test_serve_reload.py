@@ -7,11 +7,16 @@ host's tunnel is open beside them. Judged at the origins: each denied one sees i
 closed, the allowed one keeps carrying bytes, and the audit log (read from its file) holds one
 `policy_reloaded` record per closure. With --keep-open-on-reload all of them stay open. A
 --watch-policy reload under --workers closes the tunnels of every worker.
+
+With --ask-command: a deny entry added by a reload while a question is held wins over the
+decider's later `once` or `session`; open questions are capped per client; a `once` answer
+about a plain-HTTP request does not admit a CONNECT waiting for the same host and port.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import socket
 import struct
@@ -317,3 +322,190 @@ def test_a_watched_reload_reaches_every_worker(tmp_path: Path) -> None:
                     client.close()
             assert proc.stop() == 0
         assert closures(log) == [("connect", denied.port)] * tunnels
+
+
+# -- approval questions held across a reload (serve --ask-command) ---------------------------
+
+# The decider: logs its pid and question, waits (bounded) until the test says go, then
+# answers what the test wrote for the question's protocols (deny when nothing was written).
+ASK_SCRIPT = """\
+#!/bin/sh
+read line
+dir=$(dirname "$0")
+echo "$$ $line" >> "$dir/asked.log"
+i=0
+while [ ! -e "$dir/go" ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done
+cat "$dir/answer.$EGRESSBOX_PROTOCOLS" 2>/dev/null || echo deny
+"""
+
+
+class Asker:
+    """The --ask-command script in its own directory, and what it was asked."""
+
+    def __init__(self, root: Path, answers: dict[str, str]) -> None:
+        root.mkdir()
+        self.root = root
+        self.script = root / "ask.sh"
+        self.script.write_text(ASK_SCRIPT)
+        self.script.chmod(0o755)
+        for protocols, answer in answers.items():
+            (root / f"answer.{protocols}").write_text(answer + "\n")
+
+    def asked(self) -> list[tuple[int, dict[str, object]]]:
+        log = self.root / "asked.log"
+        lines = log.read_text().splitlines() if log.exists() else []
+        found = []
+        for line in lines:
+            pid, _, question = line.partition(" ")
+            found.append((int(pid), json.loads(question)))
+        return found
+
+    def wait_asked(self, count: int) -> None:
+        wait_until(f"{count} questions asked", lambda: len(self.asked()) >= count)
+
+    def go(self) -> None:
+        (self.root / "go").touch()
+
+
+def _send_connect(proxy: tuple[str, int], target: str, source: str = LOOPBACK) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(IO_TIMEOUT)
+    sock.bind((source, 0))
+    sock.connect(proxy)
+    sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    return sock
+
+
+def _reason(head: bytes) -> str:
+    for line in head.decode("latin-1").split("\r\n"):
+        name, _, value = line.partition(":")
+        if name.lower() == "x-egressbox-reason":
+            return value.strip()
+    return ""
+
+
+def _no_reply_yet(sock: socket.socket) -> bool:
+    sock.settimeout(0.3)
+    try:
+        sock.recv(1)
+    except TimeoutError:
+        return True
+    finally:
+        sock.settimeout(IO_TIMEOUT)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("answer", ["once", "session"])
+@pytest.mark.parametrize("keep_open", [False, True], ids=["default", "keep-open-on-reload"])
+def test_a_deny_entry_added_while_a_question_is_held_wins_over_the_answer(
+    tmp_path: Path, answer: str, keep_open: bool
+) -> None:
+    asker = Asker(tmp_path / "ask", {"connect": answer})
+    with origins("echo") as (tripwire,):
+        path, log = tmp_path / "policy.toml", tmp_path / "audit.jsonl"
+        path.write_text(policy([]))  # 127.0.0.1:port is a miss: asked about
+        flags = ["--keep-open-on-reload"] if keep_open else []
+        args = ["--policy", str(path), "--audit-log", str(log), "--ask-command", str(asker.script)]
+        with serving(tmp_path / "serve", *args, "--ask-timeout", "30", *flags) as proc:
+            target = f"{LOOPBACK}:{tripwire.port}"
+            client = _send_connect(proc.address("http"), target)
+            try:
+                asker.wait_asked(1)
+                write_atomically(path, policy([], [tripwire.port]))
+                proc.send(signal.SIGHUP)
+                proc.wait_stderr("policy reloaded")
+                if keep_open:
+                    # The question stands through the reload; its answer comes under the
+                    # new policy, whose deny entry wins.
+                    assert _no_reply_yet(client)
+                    asker.go()
+                    expected = "deny_rule"
+                else:
+                    # The reload refused the held request at once and killed the decider.
+                    expected = "policy_reloaded"
+                    (pid, _), *_ = asker.asked()
+                    wait_until("the decider killed", lambda: not _alive(pid))
+                head = _head(client)
+                assert head.startswith(b"HTTP/1.1 403"), head
+                assert _reason(head) == expected
+                asker.go()
+            finally:
+                client.close()
+            assert proc.stop() == 0
+        assert tripwire.accepted == 0  # judged at the origin: never reached
+        seen = [(r["protocol"], r["port"], r["decision"], r["reason"]) for r in audit_lines(log)]
+        assert seen == [("connect", tripwire.port, "deny", expected)]
+
+
+def test_open_questions_are_capped_per_client(tmp_path: Path) -> None:
+    """Four slow questions from one client address: its fifth is denied unasked, while
+    another client's miss is still asked."""
+    asker = Asker(tmp_path / "ask", {})
+    path, log = tmp_path / "policy.toml", tmp_path / "audit.jsonl"
+    path.write_text(policy([]))
+    args = ["--policy", str(path), "--audit-log", str(log), "--ask-command", str(asker.script)]
+    with serving(tmp_path / "serve", *args) as proc:
+        http = proc.address("http")
+        clients = []
+        try:
+            # Distinct destinations (a question per host and port), all from 127.0.0.1.
+            for n in range(4):
+                clients.append(_send_connect(http, f"127.0.0.{2 + n}:9"))
+            asker.wait_asked(4)
+            fifth = _send_connect(http, "127.0.0.6:9")
+            clients.append(fifth)
+            head = _head(fifth)
+            assert head.startswith(b"HTTP/1.1 403") and _reason(head) == "approval_denied"
+            other = _send_connect(http, "127.0.0.7:9", source="127.0.0.9")
+            clients.append(other)
+            asker.wait_asked(5)  # asked, not denied unasked
+            assert [q["host"] for _, q in asker.asked()][-1] == "127.0.0.7"
+            assert len(asker.asked()) == 5
+            asker.go()  # every answer is deny
+            for client in [*clients[:4], other]:
+                assert _reason(_head(client)) == "approval_denied"
+        finally:
+            for client in clients:
+                client.close()
+        assert proc.stop() == 0
+    reasons = sorted(r["reason"] for r in audit_lines(log))
+    assert reasons == ["approval_denied"] * 6
+
+
+def test_once_about_http_does_not_admit_a_waiting_connect(tmp_path: Path) -> None:
+    asker = Asker(tmp_path / "ask", {"http": "once", "connect": "deny"})
+    with origins("http") as (origin,):
+        path, log = tmp_path / "policy.toml", tmp_path / "audit.jsonl"
+        path.write_text(policy([]))
+        args = ["--policy", str(path), "--audit-log", str(log), "--ask-command", str(asker.script)]
+        with serving(tmp_path / "serve", *args) as proc:
+            http = proc.address("http")
+            target = f"{LOOPBACK}:{origin.port}"
+            plain = socket.create_connection(http, timeout=IO_TIMEOUT)
+            tunnel = None
+            try:
+                plain.sendall(f"GET http://{target}/ HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+                asker.wait_asked(1)
+                tunnel = _send_connect(http, target)  # joins the question put about http
+                time.sleep(0.3)
+                asker.go()
+                assert _head(plain).startswith(b"HTTP/1.1 200")
+                head = _head(tunnel)
+                assert head.startswith(b"HTTP/1.1 403") and _reason(head) == "approval_denied"
+            finally:
+                plain.close()
+                if tunnel is not None:
+                    tunnel.close()
+            assert proc.stop() == 0
+        assert origin.accepted == 1  # the tunnel never reached it
+    assert [q["protocols"] for _, q in asker.asked()] == [["http"], ["connect"]]
+    seen = sorted((r["protocol"], r["reason"]) for r in audit_lines(log))
+    assert seen == [("connect", "approval_denied"), ("http", "approved")]
