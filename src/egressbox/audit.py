@@ -47,6 +47,7 @@ from typing import Any, Final, Protocol, Self, TypeVar
 
 from egressbox.audit_sink import AuditSink
 from egressbox.errors import AuditError, Reason, Verdict
+from egressbox.held import HeldDir, SymlinkOnPathError
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -748,23 +749,42 @@ def _refuse_special(path: str, mode: int) -> None:
         raise AuditError(f"audit log {path} is {_kind(mode)}; it must be a regular file")
 
 
-def _open_append(path: str, mode: int) -> tuple[int, os.stat_result]:
+def _hold_directory(path: str) -> tuple[HeldDir, str]:
+    """The log's directory, held from now on (egressbox.held), and the log's file name.
+
+    Opened before any child runs: a directory on the way that a child replaces with a
+    symbolic link later cannot move the log, its rotations or a reopen elsewhere.
+    """
+    folder, name = os.path.split(path)
+    if not name or name in (".", ".."):
+        raise AuditError(f"audit log {path} names a directory; it must name a file")
+    try:
+        return HeldDir.open(folder or "."), name
+    except OSError as exc:
+        # SymlinkOnPathError's text names the component; other errors' strerror suffices.
+        why = str(exc) if isinstance(exc, SymlinkOnPathError) else exc.strerror
+        where = folder or "."
+        raise _chained(
+            AuditError(f"audit log {path} cannot be opened: its directory {where}: {why}"), exc
+        ) from exc
+
+
+def _open_append(folder: HeldDir, name: str, path: str, mode: int) -> tuple[int, os.stat_result]:
     """Open (creating) a regular file for appending, refusing links and special files."""
     # lstat first so that a device or FIFO is refused without opening it (opening some
     # devices has side effects); the fstat below is the check that cannot race.
     try:
-        _refuse_special(path, os.lstat(path).st_mode)
+        _refuse_special(path, folder.lstat(name).st_mode)
     except FileNotFoundError:
         pass
     except OSError as exc:
         raise _chained(AuditError(f"cannot open audit log {path}: {exc.strerror}"), exc) from exc
-    # O_NOFOLLOW covers the last path component only, which is the one a planted link would
-    # replace. O_NONBLOCK keeps a FIFO swapped in after the lstat from blocking the open;
+    # Relative to the held directory, and O_NOFOLLOW on the name itself: no link anywhere on
+    # the way. O_NONBLOCK keeps a FIFO swapped in after the lstat from blocking the open;
     # O_NOCTTY keeps a terminal from becoming our controlling one.
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
     try:
-        fd = os.open(path, flags, mode)
+        fd = folder.open_file(name, flags, mode)
     except OSError as exc:
         raise _chained(_describe_open_error(path, exc), exc) from exc
     try:
@@ -791,7 +811,7 @@ def _describe_open_error(path: str, exc: OSError) -> AuditError:
 _TAIL_PEEK: Final = 8192
 
 
-def _ends_in_fragment(path: str, info: os.stat_result) -> bool:
+def _ends_in_fragment(folder: HeldDir, name: str, info: os.stat_result) -> bool:
     """True if the existing file ends in part of a line (a writer died mid-record).
 
     Spaces after the last newline are a blanked fragment (see JsonlFileSink): the next
@@ -800,7 +820,7 @@ def _ends_in_fragment(path: str, info: os.stat_result) -> bool:
     if info.st_size == 0:
         return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = folder.open_file(name, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False  # unreadable (write-only permissions): skip the repair, not the log
     try:
@@ -822,13 +842,15 @@ def end_torn_tail(path: str) -> None:
     For a process about to start several writers (``serve --workers``): done once, before
     any of them opens the file. A blanked tail (spaces) is no fragment and stays as it is.
     """
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            if _ends_in_fragment(path, os.fstat(fd)):
-                os.write(fd, b"\n")
-        finally:
-            os.close(fd)
+    with contextlib.suppress(OSError, AuditError):
+        folder, name = _hold_directory(path)
+        with folder:
+            fd = folder.open_file(name, os.O_WRONLY | os.O_APPEND)
+            try:
+                if _ends_in_fragment(folder, name, os.fstat(fd)):
+                    os.write(fd, b"\n")
+            finally:
+                os.close(fd)
 
 
 # ---- space reserved ahead of the end of the log
@@ -970,6 +992,11 @@ class JsonlFileSink(_FdSink):
     may rotate it: another process appending to the same path would keep writing into the
     renamed file.
 
+    The log's directory is resolved and held when the sink is made (egressbox.held): the
+    file, its rotations and every reopen are opened relative to that descriptor, never
+    through a symbolic link, so a directory on the way replaced later (by a confined child
+    that can write beside it) cannot send a record, or a rotated file, anywhere else.
+
     ``reopen()`` is for an external logrotate: after it has renamed the file, a signal
     handler calls ``reopen()`` and the sink continues in a new file at the same path (the
     old file keeps its unused reserve, at most 1 MiB, until it is compressed or removed:
@@ -1002,9 +1029,15 @@ class JsonlFileSink(_FdSink):
         self._margin = writers * _CHECK_BYTES
         self._chunk = max(_RESERVE_CHUNK, 2 * self._margin)
         self._reserving = True  # until fallocate says this file system cannot
-        fd, info = _open_append(self.path, mode)
+        # Held for the sink's life: writes, rotations and reopens stay in this directory.
+        self._dir, self._file = _hold_directory(self.path)
+        try:
+            fd, info = _open_append(self._dir, self._file, self.path, mode)
+        except BaseException:
+            self._dir.close()
+            raise
         super().__init__(fd, self.path, owns_fd=True)
-        self._torn = _ends_in_fragment(self.path, info)
+        self._torn = _ends_in_fragment(self._dir, self._file, info)
         self._size = info.st_size
         self._unchecked = _CHECK_BYTES  # bytes written since the last look at the reserve
 
@@ -1057,7 +1090,10 @@ class JsonlFileSink(_FdSink):
 
     def close(self) -> None:
         with self._lock:
-            super().close()
+            try:
+                super().close()
+            finally:
+                self._dir.close()
 
     def _write_line(self, line: bytes) -> None:
         self._write_data(line + b"\n")
@@ -1151,17 +1187,17 @@ class JsonlFileSink(_FdSink):
     def _rotate(self) -> None:
         fd = self.fileno()
         try:
-            if _same_file(self.path, fd):
-                shift_rotated(self.path, self.keep)
+            if _same_file(self._dir, self._file, fd):
+                _shift_rotated_in(self._dir, self._file, self.keep)
         except OSError as exc:
             raise _chained(AuditError(f"cannot rotate audit log {self.path}: {exc}"), exc) from exc
         # If the path no longer names our file, someone else rotated it: just reopen.
         self._swap()
 
     def _swap(self) -> None:
-        fd, info = _open_append(self.path, self._mode)
+        fd, info = _open_append(self._dir, self._file, self.path, self._mode)
         old, self._fd = self._fd, fd
-        self._torn = _ends_in_fragment(self.path, info)
+        self._torn = _ends_in_fragment(self._dir, self._file, info)
         self._size = info.st_size
         self._unchecked = _CHECK_BYTES  # a new file: look at its reserve before writing
         if old is not None:
@@ -1169,9 +1205,9 @@ class JsonlFileSink(_FdSink):
                 os.close(old)
 
 
-def _same_file(path: str, fd: int) -> bool:
+def _same_file(folder: HeldDir, name: str, fd: int) -> bool:
     try:
-        named = os.stat(path, follow_symlinks=False)
+        named = folder.lstat(name)
     except FileNotFoundError:
         return False
     opened = os.fstat(fd)
@@ -1189,17 +1225,24 @@ def shift_rotated(path: str, keep: int) -> None:
     Each step is one rename, so a crash part-way leaves a gap in the numbers, never a lost
     or half-copied file. Raises OSError.
     """
+    folder, name = os.path.split(path)
+    with HeldDir.open(folder or ".") as held:
+        _shift_rotated_in(held, name, keep)
+
+
+def _shift_rotated_in(folder: HeldDir, name: str, keep: int) -> None:
+    """shift_rotated() within a held directory: no rename ever leaves it."""
     for compressed in (False, True):
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(rotated_name(path, keep, compressed=compressed))
+            folder.unlink(rotated_name(name, keep, compressed=compressed))
     for index in range(keep - 1, 0, -1):
         for compressed in (False, True):
             with contextlib.suppress(FileNotFoundError):
-                os.replace(
-                    rotated_name(path, index, compressed=compressed),
-                    rotated_name(path, index + 1, compressed=compressed),
+                folder.replace(
+                    rotated_name(name, index, compressed=compressed),
+                    rotated_name(name, index + 1, compressed=compressed),
                 )
-    os.replace(path, rotated_name(path, 1))
+    folder.replace(name, rotated_name(name, 1))
 
 
 _ROTATED_SUFFIX: Final = re.compile(r"\.([1-9][0-9]{0,5})(\.gz)?", re.ASCII)

@@ -40,12 +40,12 @@ import contextlib
 import json
 import os
 import signal
-import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
 from egressbox.errors import Reason
+from egressbox.held import HeldFile
 from egressbox.hosts import format_authority
 
 # How long a question may stay open before it denies (`--ask-timeout`): long enough to read
@@ -440,17 +440,23 @@ def approved_policy(approved: Sequence[Approved]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save_approved(path: str, approved: Sequence[Approved]) -> None:
-    """Write approved_policy() to `path` in one step (a reader never sees half of it)."""
-    text = approved_policy(approved)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(prefix=".egressbox-approved-", dir=directory)
+# A policy file: readable by whoever loads it, as before (0644).
+APPROVED_MODE = 0o644
+
+
+def save_approved(path: str | HeldFile, approved: Sequence[Approved]) -> None:
+    """Write approved_policy() to `path` in one step (a reader never sees half of it).
+
+    Give a HeldFile made before the run's child started: its directory is held from then
+    on (egressbox.held), so a directory on the way that the child replaced with a symbolic
+    link cannot send the file elsewhere. A plain path is resolved now. Raises OSError.
+    """
+    data = approved_policy(approved).encode("utf-8")
+    if isinstance(path, HeldFile):
+        path.write(data, APPROVED_MODE)
+        return
+    target = HeldFile(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+        target.write(data, APPROVED_MODE)
+    finally:
+        target.close()
