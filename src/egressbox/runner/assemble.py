@@ -57,6 +57,7 @@ from egressbox.runner.options import (
     RunRefusedError,
     effective_profile,
 )
+from egressbox.runner.verify import Guard, snapshot
 from egressbox.runner.workspace import (
     READ_ONLY_SCRATCH,
     Layout,
@@ -84,6 +85,9 @@ class Prepared:
     profile: Profile
     # Host-trusted paths absent before the run: one that appears was made by the command.
     created_watch: tuple[str, ...]
+    # Host-trusted paths as they were before the child started (runner/verify.py): judged
+    # and put right after the run.
+    guard: Guard | None
     # Why the run does not capture ("" when the launcher is asked to).
     capture_off: str
     # One line per root added beyond the workspace (said before the command starts).
@@ -118,6 +122,7 @@ class Prepared:
         self.roots = []
         self.profile = Profile.WORKSPACE_PATHS
         self.created_watch = ()
+        self.guard = None
         self.capture_off = ""
         self.announcements = []
         self.caches = ()
@@ -244,6 +249,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     prepared.started = time.time()
     prepared.cleanup = start.cleanup
     prepared.read_only_workspaces = layout.workspaces if layout.read_only else ()
+    prepared.guard = _guard(options, layout, roots, trusted, home)
     return prepared
 
 
@@ -586,6 +592,7 @@ def _trusted_paths(
 ) -> tuple[str, ...]:
     """What the host trusts that a writable root may hold: read-only for the child."""
     trusted = list(host_trusted((*write_roots, *process_write)))
+    trusted += [os.path.join(root, name) for root in write_roots for name in GIT_CONTROL_FILES]
     policy_source = options.policy.source if options.policy is not None else ""
     files = [*options.trusted_files, *([policy_source] if policy_source else [])]
     for path in files:
@@ -595,6 +602,46 @@ def _trusted_paths(
     trusted.append(os.path.realpath(_cache_dir()))
     lifted = {os.path.realpath(expand_user(p, home)) for p in options.writable_trusted}
     return tuple(p for p in dict.fromkeys(trusted) if p not in lifted)
+
+
+# Inside a repository's git directory, files git reads if present (another config, another
+# git directory); bound read-only when they exist, moved aside after the run when made.
+GIT_CONTROL_FILES = (".git/commondir", ".git/config.worktree")
+
+
+def _guard(
+    options: RunOptions, layout: Layout, roots: _Roots, trusted: Sequence[str], home: str
+) -> Guard:
+    """The snapshot of what the host trusts in the writable roots, taken before the child."""
+    writable = tuple(os.path.realpath(p) for p in (*layout.writable, *roots.process_write))
+    files = (*options.trusted_files, *([options.policy.source] if options.policy else []))
+    host_files = [os.path.realpath(expand_user(p, home)) for p in files if p]
+    return snapshot(
+        writable,
+        trusted,
+        workspaces=() if layout.read_only else layout.workspaces,
+        grows=_appended_by_us(
+            (*host_files, *(s for f in host_files for s in _rotated_siblings(f)))
+        ),
+    )
+
+
+def _appended_by_us(paths: Sequence[str]) -> list[str]:
+    """The paths this process holds open (the audit log, appended during the run): they are
+    judged by growth, the others (the policy) by content."""
+    held: set[tuple[int, int]] = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                st = os.fstat(int(name))
+                held.add((st.st_dev, st.st_ino))
+    found = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) in held:
+                found.append(path)
+    return found
 
 
 def _rotated_siblings(path: str) -> list[str]:

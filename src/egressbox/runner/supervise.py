@@ -17,7 +17,7 @@ from egressbox.confine.launcher import LaunchPlan
 from egressbox.confine.plan import (
     Mechanism,
 )
-from egressbox.exitcodes import EXIT_TIMEOUT
+from egressbox.exitcodes import EXIT_TAMPERED, EXIT_TIMEOUT
 from egressbox.runner.assemble import Prepared
 from egressbox.runner.options import RunOptions, RunResult
 from egressbox.runner.spawn import Launched, _kill_and_reap
@@ -525,6 +525,12 @@ def _result(
     result = RunResult(code, records, prepared.report, roots=prepared.roots)
     result.created_trusted = _created_trusted(prepared)
     result.warnings = list(prepared.warnings) + result.created_trusted
+    if prepared.guard is not None and prepared.guard.acted:
+        result.exit_code = EXIT_TAMPERED
+        result.created_trusted.append(
+            f"the run exits {EXIT_TAMPERED} (the command's own exit code was {code}): it "
+            "changed or made files the host trusts, put right as said above"
+        )
     if code != 0:
         result.refusal = _refusal(code, records, stderr, prepared, launched)
     return result
@@ -620,7 +626,11 @@ def _syscall_name(kill: Any) -> str:
 
 
 def clean_up(prepared: Prepared) -> None:
-    """Remove what was made on the host for this run only (idempotent)."""
+    """Put host-trusted paths right, remove what was made for this run only (idempotent)."""
+    if prepared.guard is not None:
+        from egressbox.runner.verify import settle
+
+        settle(prepared.guard)  # once; _created_trusted() says what it did
     if not prepared.cleanup:
         return  # the usual case: shutil (with bz2 and lzma) is not even loaded (~2.5 ms)
     import shutil
@@ -630,7 +640,15 @@ def clean_up(prepared: Prepared) -> None:
 
 
 def _created_trusted(prepared: Prepared) -> list[str]:
-    """Host-trusted files the command created: read-only binds need them to exist first."""
+    """What the command changed or made among host-trusted paths, and what was done about it.
+
+    Read-only binds need a file to exist first: what the command made, and (without a mount
+    namespace) what it changed, is judged after the run (runner/verify.py).
+    """
+    if prepared.guard is not None:
+        from egressbox.runner.verify import settle
+
+        return list(settle(prepared.guard))
     return [
         f"the command created {path}, which the host trusts (it may run code at your next "
         "git command, shell or editor start): review it before you use it"
