@@ -222,10 +222,9 @@ def _cli_options(
 
 def _asking(args: Any) -> dict[str, Any] | None:
     """--ask / --ask-command as RunOptions fields ({} for neither); None after a usage error."""
+    if args.save_approved and not _hold_save_approved(args):
+        return None
     if not (args.ask or args.ask_command):
-        if args.save_approved:
-            write_err("--save-approved needs --ask or --ask-command")
-            return None
         return {}
     if args.ask:
         import os
@@ -247,6 +246,22 @@ def _asking(args: Any) -> dict[str, Any] | None:
     return {"on_miss": CommandDecider(argv), "ask_timeout": args.ask_timeout}
 
 
+def _hold_save_approved(args: Any) -> bool:
+    """Hold --save-approved's directory from now, before the child exists (egressbox.held):
+    whatever the child does to the path, the file is written where it was meant."""
+    if not (args.ask or args.ask_command):
+        write_err("--save-approved needs --ask or --ask-command")
+        return False
+    from egressbox.held import HeldFile
+
+    try:
+        args.save_approved_held = HeldFile(args.save_approved)
+    except OSError as exc:
+        write_err(f"--save-approved: cannot write {args.save_approved}: {exc}")
+        return False
+    return True
+
+
 def _save_approved(args: Any, result: RunResult) -> None:
     """--save-approved: what was approved during the run, as a policy file."""
     path = getattr(args, "save_approved", None)
@@ -254,11 +269,15 @@ def _save_approved(args: Any, result: RunResult) -> None:
         return
     from egressbox.proxy.approval import Answer, save_approved
 
+    held = getattr(args, "save_approved_held", None)
     try:
-        save_approved(path, result.approved)
+        save_approved(held or path, result.approved)
     except OSError as exc:
         write_err(f"--save-approved: cannot write {path}: {exc}")
         return
+    finally:
+        if held is not None:
+            held.close()
     kept = sum(1 for item in result.approved if item.answer is Answer.SESSION)
     write_err(
         f"--save-approved: wrote {path} ({kept} allowed for the session, "
