@@ -139,7 +139,9 @@ def _prompt(fd: int, request: MissRequest, deadline: float, withdrawn: threading
         left = max(1, round(deadline - time.monotonic()))
         _write(
             fd,
-            f"\r\negressbox: {request.protocol} {request.authority}: no allow entry admits it."
+            # Every protocol a shared question covers (what a once answer admits).
+            f"\r\negressbox: {'/'.join(request.protocols)} {request.authority}:"
+            " no allow entry admits it."
             f" Allow? [o]nce, [s]ession, [d]eny (denied in {left} s): ",
         )
         answer = _read_key(fd, deadline, withdrawn)
