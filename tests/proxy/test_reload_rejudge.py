@@ -189,3 +189,39 @@ async def test_a_captured_connection_is_closed_by_a_reload(
         await proxy.close(0)
     seen = [(r.protocol.value, r.decision.value, r.reason.value) for r in proxy.records]
     assert seen == [("tcp", "allow", "allowed"), ("tcp", "deny", "policy_reloaded")]
+
+
+async def test_a_reload_that_admits_a_held_request_lets_it_go_unanswered(origin: Origin) -> None:
+    """A request held for an approval answer, whose target a reload's new allow entry admits,
+    goes on at once as an allowed name (the decider is never answered); one that a reload
+    denies is refused at once with policy_reloaded."""
+    asked: list[object] = []
+
+    async def never(request: object) -> str:
+        asked.append(request)
+        await asyncio.Event().wait()
+        return "deny"
+
+    proxy = EgressProxy(_policy([]), on_miss=never, keep_records=True)
+    await proxy.start()
+    try:
+        admitted_reader, admitted_writer = await _connect(proxy, f"{LOOPBACK}:{origin.port}")
+        refused_reader, refused_writer = await _connect(proxy, f"127.0.0.2:{origin.port}")
+        async with asyncio.timeout(IO_TIMEOUT):
+            while len(asked) < 2:
+                await asyncio.sleep(POLL)
+        reloaded = _policy([f"{LOOPBACK}:{origin.port}"], deny=[f"127.0.0.2:{origin.port}"])
+        assert proxy.set_policy(reloaded) == 1  # the refused request
+        assert (await _head(admitted_reader)).startswith(b"HTTP/1.1 200")
+        admitted_writer.write(b"ping")
+        async with asyncio.timeout(IO_TIMEOUT):
+            assert await admitted_reader.readexactly(4) == b"ping"
+        head = await _head(refused_reader)
+        assert head.startswith(b"HTTP/1.1 403") and b"policy_reloaded" in head
+        admitted_writer.close()
+        refused_writer.close()
+    finally:
+        await proxy.close(0)
+    seen = sorted((r.host, r.decision.value, r.reason.value) for r in proxy.records)
+    assert seen == [("127.0.0.1", "allow", "allowed"), ("127.0.0.2", "deny", "policy_reloaded")]
+    assert origin.accepted == 1

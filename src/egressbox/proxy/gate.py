@@ -498,6 +498,8 @@ class HeldMiss(Pending):
             if named.reason is not _NO_ALLOW_RULE:
                 self._overridden(outcome, named)
                 return named  # a deny entry (or no policy at all): never approvable
+            if outcome is RELOAD_ADMITTED:
+                return named  # admitted by an entry that a later reload took away again
             if not outcome.allowed:
                 return deny(outcome.reason, target, f"no allow entry admits it; {outcome.detail}")
             named, lifted = NamePass(target, None), True
