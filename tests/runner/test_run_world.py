@@ -242,10 +242,11 @@ def test_host_trusted_files_in_the_workspace_are_read_only(world: World) -> None
     assert (world.workspace / "ordinary.txt").read_text(encoding="utf-8") == "fine"
 
 
-def test_a_trusted_file_the_command_creates_is_announced(world: World) -> None:
+def test_a_trusted_file_the_command_creates_is_moved_aside(world: World) -> None:
     done = world.egressbox("--", "sh", "-c", "echo 'echo hi' > .envrc")
-    assert done.returncode == 0, _explain(done)
-    assert f"the command created {world.workspace / '.envrc'}" in done.stderr, _explain(done)
+    assert done.returncode == 125, _explain(done)  # exitcodes.EXIT_TAMPERED
+    assert f"the command made {world.workspace / '.envrc'}" in done.stderr, _explain(done)
+    assert not (world.workspace / ".envrc").exists()
 
 
 def test_the_home_directory_as_workspace_needs_saying(world: World) -> None:
