@@ -1,6 +1,16 @@
-"""Fuzz the TLS ClientHello reader (protocols/tls.py) against OpenSSL's own server.
+"""Fuzz the TLS ClientHello reader (protocols/tls.py) against Go's record layer and OpenSSL.
 
-The bytes are the first bytes a client sends into a tunnel. Checked on every input:
+The bytes are the first bytes a client sends into a tunnel. The oracle is the most
+lenient receiver: Go's crypto/tls server (modelled by tests/tls_hellos.go_record_layer,
+which tests/proxy/test_tls_lenient.py checks against the real Go), which takes any
+record version below 0x1000 and skips warning alerts before its ClientHello. Checked on
+every input:
+
+- a stream whose first byte is a record content type (20-24) is never NOT_TLS: it is
+  read to a ClientHello or refused, whatever its record version;
+- whatever Go would assemble into a ClientHello, the reader reads completely (never
+  NOT_TLS, never NEED_MORE) to the same ClientHello, or refuses (Malformed); and OpenSSL,
+  fed that ClientHello in a plain record, sees the server name the reader saw;
 
 - nothing escapes `ClientHelloReader.feed` but the project's protocol error
   (TlsError; feed should not let even that out), and the answer is one of the four
@@ -19,10 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import ssl
+import sys
+from pathlib import Path
 
 import atheris
 
 import harness
+
+# The model of Go's record layer is the tests' own (one model, checked against Go there).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tls_hellos import go_record_layer, records
 
 with atheris.instrument_imports(include=["egressbox"]):
     from egressbox.protocols import tls
@@ -74,8 +90,29 @@ def openssl_names(data: bytes) -> list[str | None]:
     return list(_seen)
 
 
+def check_lenient_oracle(data: bytes, whole: object) -> None:
+    """The reader against what Go's server would read from the same bytes."""
+    if data and tls.starts_tls_record(data[0]):
+        assert not isinstance(whole, tls.NotTls), f"starts like TLS, the reader says {whole!r}"
+    message = go_record_layer(data)
+    if message is None or message[0] != tls.CLIENT_HELLO:
+        return  # Go reads no ClientHello from these bytes
+    if isinstance(whole, tuple):
+        return  # Malformed: we refuse what Go reads, which is safe
+    assert isinstance(whole, tls.ClientHello), f"Go reads a ClientHello, the reader {whole!r}"
+    try:
+        expected = tls.parse_client_hello(message[4:])
+    except tls.TlsError:
+        raise AssertionError(f"the reader reads {whole!r} where its parser refuses") from None
+    assert whole == expected, (whole, expected)
+    names = openssl_names(records(message, range(tls.MAX_RECORD, len(message), tls.MAX_RECORD)))
+    if names:
+        assert names == [whole.server_name], f"OpenSSL sees {names!r}, the reader {whole!r}"
+
+
 def test_one_input(data: bytes) -> None:
     whole = read([data])
+    check_lenient_oracle(data, whole)
     assert read(harness.pieces(data)) == whole, (whole, data[:64])
     prefix = data[:BYTEWISE_LIMIT]
     if len(prefix) == len(data):
