@@ -333,6 +333,14 @@ def _add_run(sub: Subparsers) -> None:
         help="pass this variable (or set it) in the command's environment",
     )
     p.add_argument(
+        "--grant-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="pass this file as it is, credentials included (repeatable): a configuration "
+        "file the presets grant is otherwise a clean copy, and a credential file absent",
+    )
+    p.add_argument(
         "--allow-loopback",
         action="store_true",
         help="let the command run and reach its own servers on its private lo",

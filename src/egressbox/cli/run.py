@@ -212,6 +212,7 @@ def _cli_options(
         pass_fds=tuple(args.pass_fd),
         nameservers=servers,
         trusted_files=trusted,
+        grant_files=tuple(getattr(args, "grant_file", ())),
         log_allowed=getattr(args, "verbose", False),
         capture=not getattr(args, "no_capture", False),
         announce=not args.quiet,

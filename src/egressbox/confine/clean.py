@@ -30,13 +30,11 @@ found makes it UncleanableError too.
 
 from __future__ import annotations
 
-import configparser
 import datetime
 import math
 import os
 import re
 import stat
-import tomllib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -273,6 +271,8 @@ _INI_KEY = re.compile(r"(?P<key>[^=:\s][^=:]*?)\s*(?:[=:]|$)")
 def clean_ini(text: str) -> Cleaned:
     """pip's configuration (ConfigParser syntax): secret keys and their continuation lines
     dropped, URLs cleaned."""
+    import configparser  # here: only a run that copies a pip.conf pays for the import
+
     parser = configparser.RawConfigParser(strict=False, allow_no_value=True)
     try:
         parser.read_string(text)
@@ -305,6 +305,8 @@ def clean_ini(text: str) -> Cleaned:
 
 def clean_toml(text: str) -> Cleaned:
     """Parsed, cleaned as data, and written back (comments are not kept)."""
+    import tomllib  # here: only a run that copies a TOML file pays for the import
+
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -527,9 +529,10 @@ class CleanCopies(NamedTuple):
 
 
 class _Gather:
-    def __init__(self, home: str, deny: Sequence[str]) -> None:
+    def __init__(self, home: str, deny: Sequence[str], passed: Iterable[str]) -> None:
         self.home = home
         self.deny = tuple(deny)
+        self.passed = frozenset(passed)
         self.files: dict[str, str] = {}
         self.originals: list[str] = []
         self.notes: list[str] = []
@@ -552,7 +555,7 @@ class _Gather:
 
     def one(self, path: str, kind: str | None, depth: int) -> bool:
         """Copy `path` cleaned; False when the child gets nothing there."""
-        if path in self.files:
+        if path in self.files or path in self.passed:
             return True
         self.originals.append(path)
         if _denied(path, self.deny):
@@ -629,9 +632,12 @@ def _read(path: str, home: str, deny: Sequence[str]) -> str:
     return data.decode("utf-8")
 
 
-def gather(entries: Iterable[str], *, home: str, deny: Sequence[str]) -> CleanCopies:
-    """Clean copies of the files at `entries` (files, or directories walked) that exist."""
-    work = _Gather(home, deny)
+def gather(
+    entries: Iterable[str], *, home: str, deny: Sequence[str], passed: Iterable[str] = ()
+) -> CleanCopies:
+    """Clean copies of the files at `entries` (files, or directories walked) that exist;
+    `passed` files (--grant-file) are left as they are."""
+    work = _Gather(home, deny, passed)
     for entry in entries:
         work.entry(entry)
     return work.result()

@@ -32,7 +32,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, NoReturn
 
 from egressbox.confine import netns
-from egressbox.confine.plan import Mechanism, WorldSpec
+from egressbox.confine.plan import CAPTURE_FILES, Mechanism, WorldSpec
 from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 
 # Signals the launcher and the reaper pass on to the command.
@@ -434,13 +434,28 @@ def _mounts(plan: LaunchPlan) -> None:
     if not plan.has(Mechanism.PID_NAMESPACE) and spec.new_proc:
         spec = spec._replace(new_proc=False)
     if spec.files and plan.capture and not _PROGRESS.captured:
-        # Capture failed: the view's /etc stays the host's, as without capture.
-        spec = spec._replace(files=())
+        # Capture failed: the view's /etc stays the host's, as without capture (the clean
+        # copies of configuration files stay).
+        spec = spec._replace(files=tuple(f for f in spec.files if f not in CAPTURE_FILES))
     try:
         report = world.apply_world(spec, _PROGRESS.etc_hidden)
     except OSError as exc:
         raise LaunchError(f"cannot build the child's filesystem: {exc}") from None
     _PROGRESS.applied["world"] = {"steps": list(report.steps), "skipped": report.skipped}
+    _check_clean_copies(spec, report.skipped)
+
+
+def _check_clean_copies(spec: WorldSpec, skipped: tuple[tuple[str, str], ...]) -> None:
+    """A clean copy of a configuration file that could not be bound leaves the original in
+    view, credentials and all: the command must not start (confine/clean.py)."""
+    capture = {path for path, _ in CAPTURE_FILES}
+    wanted = {f"file {path}" for path, _ in spec.files if path not in capture}
+    for what, why in skipped:
+        if what in wanted:
+            raise LaunchError(
+                f"the clean copy of {what[5:]} could not be bound over it ({why}), so the "
+                "original would be in view: the command did not start"
+            )
 
 
 def _supervise(child: int, *, reap_all: bool) -> int:

@@ -191,6 +191,8 @@ DEVELOPER_TOOLCHAINS = (
     "~/.rbenv",
     "/usr/local/go",
 )
+# The tools' configuration: granted as clean copies, credentials removed (confine/clean.py),
+# wherever the child would see them (under ~/.cargo, a toolchain, too); never the originals.
 PACKAGE_MANAGER_CONFIG = (
     "~/.config/pip",
     "~/.pip",
@@ -198,7 +200,11 @@ PACKAGE_MANAGER_CONFIG = (
     "~/.gitconfig",
     "~/.config/git",
     "~/.cargo/config.toml",
+    "~/.cargo/config",
     "~/.condarc",
+    "~/.config/conda",
+    "~/.conda/.condarc",
+    "~/.conda/condarc",
 )
 USER_TEMP = ("/tmp", "/var/tmp")
 # Never readable, whatever is granted: credentials.

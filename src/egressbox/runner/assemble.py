@@ -28,6 +28,7 @@ from egressbox.confine.plan import (
     CAPTURE_FILES,
     CREDENTIALS,
     HOST_NEEDS,
+    PACKAGE_MANAGER_CONFIG,
     PRESETS,
     REQUIREMENT_FALLBACK,
     Enforcement,
@@ -196,6 +197,8 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     deny = _credential_paths(home, env.get("HOME")) + tuple(
         os.path.normpath(expand_user(p, home)) for p in options.deny
     )
+    passed = _granted_files(options, home, deny, warnings)
+    deny = tuple(d for d in deny if d not in passed)
     check = cache_check(env.get("HOME") or home, deny) if files else None
     caches = _toolchain_env(
         env, options, home=env.get("HOME") or home, scratch=scratch, layout=layout, check=check
@@ -209,7 +212,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     fs = plan_filesystem(
         home=home,
         write_roots=layout.writable,
-        read_roots=(*roots.read, *layout.readable),
+        read_roots=(*roots.read, *layout.readable, *_outside(passed, layout.writable)),
         executables=executable.grants,
         presets=options.presets,
         deny=deny,
@@ -218,6 +221,9 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         process_write_roots=roots.process_write,
     )
     warnings += _denied_roots(roots, fs)
+    copies: tuple[tuple[str, str], ...] = ()
+    if files:
+        fs, copies = _clean_copies(fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen, warnings)
     capture_off = _capture_off(options, chosen, facts)
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
     plan = _launch_plan(
@@ -232,6 +238,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         scratch=scratch,
         listeners=listeners,
         capture_off=capture_off,
+        copies=copies,
     )
     if Mechanism.SECCOMP in chosen:
         plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
@@ -331,6 +338,7 @@ def _launch_plan(
     scratch: Scratch | None,
     listeners: Sequence[socket.socket],
     capture_off: str,
+    copies: tuple[tuple[str, str], ...] = (),
 ) -> LaunchPlan:
     mounts = Mechanism.MOUNT_NAMESPACE in chosen
     capture = not capture_off
@@ -349,7 +357,8 @@ def _launch_plan(
         protect_kernel=os.getuid() == 0,
         max_processes=options.max_processes,
         # Captured: the child's resolver asks egressbox's DNS inside the namespace.
-        files=CAPTURE_FILES if capture else (),
+        # and the tools' configuration files as clean copies (confine/clean.py).
+        files=(*(CAPTURE_FILES if capture else ()), *copies),
     )
     # The read-only workspace's scratch is in the view's private /tmp: Landlock must let the
     # command write there whatever the presets say (it is never bound from the host).
@@ -652,6 +661,70 @@ def _rotated_siblings(path: str) -> list[str]:
     except OSError:
         return []
     return [os.path.join(folder, n) for n in names if n.startswith(name + ".")]
+
+
+def _granted_files(
+    options: RunOptions, home: str, deny: Sequence[str], warnings: list[str]
+) -> tuple[str, ...]:
+    """--grant-file: originals passed on purpose (a file on the credential list too), said."""
+    passed = []
+    for raw in options.grant_files:
+        path = os.path.normpath(expand_user(raw, home))
+        if not os.path.isfile(path):
+            raise EgressboxError(f"--grant-file {raw}: not a file")
+        inside = [d for d in deny if is_under(path, d) and d != path]
+        if inside:
+            raise EgressboxError(
+                f"--grant-file {raw}: it lies in {inside[0]}, on the credential deny list "
+                "(only a file named there itself can be passed)"
+            )
+        warnings.append(
+            f"--grant-file {raw}: the original is in the command's view, with any credential "
+            "it holds"
+        )
+        passed.append(path)
+    return tuple(passed)
+
+
+def _outside(paths: Sequence[str], roots: Sequence[str]) -> tuple[str, ...]:
+    return tuple(p for p in paths if not any(is_under(p, r) for r in roots))
+
+
+def _clean_copies(
+    fs: FsPlan, home: str, passed: Sequence[str], mounts: bool, warnings: list[str]
+) -> tuple[FsPlan, tuple[tuple[str, str], ...]]:
+    """The tools' configuration files in view, as clean copies (confine/clean.py).
+
+    Each copy is bound over its original's path (the launcher refuses to start the command
+    when one cannot be); an original with no copy joins the deny list (masked in the world).
+    Without a mount namespace nothing can be bound: the originals are left out of Landlock's
+    rules, so the files are not granted at all, and said so.
+    """
+    from egressbox.confine import clean
+
+    presets = (*(expand_user(p, home) for p in PACKAGE_MANAGER_CONFIG), *clean.SYSTEM_TOOL_CONFIG)
+    in_view = (*fs.read, *fs.write)
+    entries = [p for p in presets if any(is_under(p, r) for r in in_view) and os.path.lexists(p)]
+    if not entries:
+        return fs, ()
+    copies = clean.gather(entries, home=home, deny=fs.deny, passed=passed)
+    warnings += copies.notes
+    copied = {p for p, _ in copies.files} if mounts else set()
+    fs = fs._replace(
+        deny=(*fs.deny, *(p for p in copies.originals if p not in copied)),
+        # An included file may lie outside every grant: its copy must be readable too.
+        read=(*fs.read, *(p for p in copied if not any(is_under(p, r) for r in in_view))),
+    )
+    if not mounts:
+        names = ", ".join(p for p, _ in copies.files)
+        if names:
+            warnings.append(
+                f"not granted (a clean copy needs a mount namespace, which this run does not "
+                f"have): {names}; --grant-file PATH passes one as it is"
+            )
+        return fs, ()
+    warnings += [f"granted as a clean copy: {what}" for what in copies.cleaned]
+    return fs, copies.files
 
 
 def _credential_paths(home: str, child_home: str | None) -> tuple[str, ...]:

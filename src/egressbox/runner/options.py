@@ -89,7 +89,10 @@ class RunOptions(NamedTuple):
     # Host-trusted paths in a writable root (HOST_TRUSTED) the child may write after all.
     writable_trusted: tuple[str, ...] = ()
     max_processes: int | None = DEFAULT_MAX_PROCESSES
-    max_memory: int | None = None  # None: half the host's memory, per process
+    # The run's memory budget in bytes (confine/cgroup.py): None: half the host's memory.
+    max_memory: int | None = None
+    # Files passed as they are (--grant-file): no clean copy, credentials and all.
+    grant_files: tuple[str, ...] = ()
     # A run whose network boundary would be `none` refuses unless this is set.
     allow_direct_network: bool = False
     # One stderr line per allowed connection too (refusals are always said).
