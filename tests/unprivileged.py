@@ -102,8 +102,23 @@ class Actor:
             os.chown(path, self.uid, self.gid)
 
     def base_env(self, home: str | Path) -> dict[str, str]:
-        """A minimal, predictable environment (no proxy or egressbox variables)."""
-        return {"PATH": CLEAN_PATH, "HOME": str(home), "LANG": "C.UTF-8", "USER": self.user}
+        """A minimal, predictable environment (no proxy or egressbox variables).
+
+        The test user's egressbox state lives in a directory of its own outside every test's
+        workspace (by default it would be under HOME, which tests often grant writable, and
+        `run` refuses a writable root holding it)."""
+        env = {"PATH": CLEAN_PATH, "HOME": str(home), "LANG": "C.UTF-8", "USER": self.user}
+        if self.runuser:
+            env["EGRESSBOX_STATE_DIR"] = str(self.state_dir())
+        return env
+
+    def state_dir(self) -> Path:
+        """BASE_DIR/state-UID, the actor's own (0700)."""
+        path = BASE_DIR / f"state-{self.uid}"
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700)
+            self.own(path, 0o700)
+        return path
 
 
 def invoking_actor() -> Actor:

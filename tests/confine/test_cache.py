@@ -1,4 +1,5 @@
-"""egressbox's caches are believed only when they are the invoker's alone."""
+"""egressbox's state: where it lives, and files believed only when they are the invoker's alone
+(a second wall: the first is that no plan grants the directory, tests/runner/test_run_state.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from egressbox.confine import cache
 
 
 def _stored(tmp_path: Path) -> str:
-    path = str(tmp_path / "egressbox" / "v2-probe.json")
+    path = str(tmp_path / "egressbox" / "v3-probe.json")
     cache.write(path, b'{"ok": 1}')
     return path
 
@@ -57,5 +58,53 @@ def test_a_cache_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
 
 
 def test_names_carry_the_format_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cache.path("probe.json") == str(tmp_path / "egressbox" / "v2-probe.json")
+    monkeypatch.setenv(cache.STATE_ENV, str(tmp_path))
+    assert cache.path("probe.json") == str(tmp_path / "v3-probe.json")
+
+
+def test_the_state_lives_outside_every_tool_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not under $XDG_CACHE_HOME (~/.cache): toolchain presets grant pieces of it.
+    monkeypatch.delenv(cache.STATE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
+    monkeypatch.setenv("XDG_STATE_HOME", "/somewhere/state")
+    expected = cache.ROOT_DIRECTORY if os.geteuid() == 0 else "/somewhere/state/egressbox"
+    assert cache.directory() == expected
+    monkeypatch.setenv(cache.STATE_ENV, "relative/ignored")
+    assert cache.directory() == expected
+
+
+def test_a_symlink_on_the_way_to_the_cache_is_not_followed(tmp_path: Path) -> None:
+    # The directory is resolved and then walked without links: a link swapped in for a
+    # directory of the path after resolving cannot lead the read elsewhere.
+    real = tmp_path / "state"
+    path = _stored(real)
+    forged = tmp_path / "forged"
+    forged.mkdir(mode=0o700)
+    cache.write(str(forged / "egressbox" / "v3-probe.json"), b'{"forged": 1}')
+    from egressbox.held import HeldDir
+
+    with HeldDir.open(real / "egressbox") as held:
+        (real / "egressbox").rename(tmp_path / "moved")
+        (real / "egressbox").symlink_to(forged / "egressbox")
+        fd = held.open_file("v3-probe.json", os.O_RDONLY)
+        try:
+            assert os.read(fd, 100) == b'{"ok": 1}'  # the file of the held directory
+        finally:
+            os.close(fd)
+    assert path.endswith("v3-probe.json")
+
+
+def test_remove_and_prune_keep_the_newest(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(cache.STATE_ENV, str(tmp_path / "state"))
+    for index in range(5):
+        cache.write(cache.path(f"probe-{index}.json"), b"{}")
+        os.utime(cache.path(f"probe-{index}.json"), ns=(index * 10**9, index * 10**9))
+    cache.write(cache.path("trusted-policies.json"), b"{}")
+    cache.prune("probe-", 2)
+    assert sorted(os.listdir(tmp_path / "state")) == [
+        "v3-probe-3.json",
+        "v3-probe-4.json",
+        "v3-trusted-policies.json",
+    ]
+    cache.remove(cache.path("probe-4.json"))
+    assert cache.read(cache.path("probe-4.json")) is None

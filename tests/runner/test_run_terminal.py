@@ -36,8 +36,6 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.confine.plan import HostFacts
-from egressbox.runner.facts import _load_facts, _store_facts, host_facts
 from unprivileged import CLEAN_PATH, invoking_actor, repo_root
 
 pytestmark = pytest.mark.skipif(
@@ -293,29 +291,29 @@ TIOCSTI_CHILD = """
 """
 
 
-def _facts_without_seccomp(box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A probe cache (under the box's XDG_CACHE_HOME) that says this host has no seccomp."""
-    facts = host_facts()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(box.cache))
-    status = dict(facts.status) | {"seccomp": "absent_on_host"}
-    without = HostFacts(facts.available - {"seccomp"}, status, facts.landlock_abi, facts.euid)
-    _store_facts(without)
-    assert _load_facts() == without
+def _env_without_seccomp(box: Box) -> dict[str, str]:
+    """`run`'s environment on a host without pyseccomp: a module of that name that cannot be
+    imported comes first on the path (a cached probe cannot take seccomp away: it is asked
+    again, runner/facts.py)."""
+    shadow = box.cache / "no-pyseccomp"
+    shadow.mkdir(parents=True, exist_ok=True)
+    (shadow / "pyseccomp.py").write_text("raise ImportError('no libseccomp here')\n")
+    return box.env(PYTHONPATH=str(shadow))
 
 
 @pytest.mark.parametrize("seccomp", ["loaded", "planned_away"])
 def test_tiocsti_from_the_child_never_reaches_our_terminal(
-    box: Box, term: Terminal, seccomp: str, monkeypatch: pytest.MonkeyPatch
+    box: Box, term: Terminal, seccomp: str
 ) -> None:
     if seccomp == "planned_away":
         legacy = Path("/proc/sys/dev/tty/legacy_tiocsti")
         if legacy.exists() and legacy.read_text().strip() != "1":
             pytest.skip("this kernel refuses TIOCSTI without CAP_SYS_ADMIN anyway")
-        _facts_without_seccomp(box, monkeypatch)
+    env = _env_without_seccomp(box) if seccomp == "planned_away" else None
     before = termios.tcgetattr(term.slave)
     # stdin a pipe: `run` never reads our terminal, so whatever waits on it afterwards
     # could only have been pushed there by the child.
-    proc = box.start(term, TIOCSTI_CHILD, stdin=subprocess.DEVNULL)
+    proc = box.start(term, TIOCSTI_CHILD, stdin=subprocess.DEVNULL, env=env)
     seen = term.read_to_exit(proc)
     assert _finish(proc) == 0, seen
     report = _report(seen, "tiocsti:")

@@ -770,6 +770,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"egressbox doctor: --upstream: {exc}", file=sys.stderr)
         return EXIT_USAGE
     support = probe_host()
+    from egressbox.runner.facts import remember_probe
+
+    remember_probe(support)  # what `run` believes next is what doctor says now
     profiles = profile_support(support)
     core = _core_line()
     if args.json:

@@ -1,10 +1,23 @@
-"""egressbox's own caches (the host probe, the compiled seccomp program), trusted only if ours.
+"""egressbox's own state (the host probe, the compiled seccomp program, trusted policies),
+trusted by *where* it is.
 
 A cache steers the next run's confinement, so a forged one would weaken it (an allow-all
-filter, a host "without namespaces"). The child never gets to write one: the cache directory
-is read-only or absent in every child's view. And before a run believes a cached file, it
-checks that the file and its directory belong to the invoking user, are written by nobody
-else, and are not symlinks; anything else is ignored and rebuilt.
+filter, a host "without namespaces"). A confined child runs as the invoker's uid, so who
+owns a file proves nothing about who wrote it. What protects the state is its place:
+
+- It lives in a directory of its own, outside every home-directory tool cache: root's in
+  /var/lib/egressbox, another user's under $XDG_STATE_HOME (~/.local/state/egressbox), or
+  where EGRESSBOX_STATE_DIR says.
+- No plan may grant it: a run whose writable paths include it is refused before anything
+  starts (runner/assemble.py), so in a confined child's view it is absent or read-only.
+- It is opened by descriptor, with no symbolic link on the way (egressbox.held), and a file is
+  believed only if it and the directory belong to the invoking user and nobody else may
+  write them (a second wall against other users, e.g. a shared EGRESSBOX_STATE_DIR).
+
+What this cannot protect: a run without filesystem confinement (the `unrestricted` profile,
+or a host with neither Landlock nor mount namespaces) gives the child everything the invoker
+may write, egressbox's own installation included. The probe cache has a third wall for that
+case: a cached fact can only add a mechanism (runner/facts.py).
 """
 
 from __future__ import annotations
@@ -13,15 +26,27 @@ import contextlib
 import os
 import stat
 
-# Names carry a format version: files written before the checks existed are never read.
-VERSION = "v2"
+from egressbox.held import HeldDir
+
+# Names carry a format version: files written before this layout are never read.
+VERSION = "v3"
 MAX_BYTES = 1 << 20
+STATE_ENV = "EGRESSBOX_STATE_DIR"
+ROOT_DIRECTORY = "/var/lib/egressbox"
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
 
 def directory() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "egressbox")
+    """Where egressbox keeps its state for this user (see the module's doc)."""
+    given = os.environ.get(STATE_ENV, "")
+    if os.path.isabs(given):
+        return os.path.normpath(given)
+    if os.geteuid() == 0:
+        return ROOT_DIRECTORY
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "egressbox")
 
 
 def path(name: str) -> str:
@@ -32,38 +57,69 @@ def _ours(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & _UNSAFE_BITS
 
 
+def _held(folder: str, *, create: bool) -> HeldDir | None:
+    """The directory, held, if it is ours alone (made 0700 when `create` and missing)."""
+    try:
+        held = HeldDir.open(folder, create_mode=0o700 if create else None)
+    except OSError:
+        return None
+    try:
+        if _ours(os.fstat(held.fileno())):
+            return held
+    except OSError:
+        pass
+    held.close()
+    return None
+
+
 def read(file: str) -> bytes | None:
     """The file's bytes if it and its directory are ours alone, else None."""
-    try:
-        folder = os.lstat(os.path.dirname(file))
-        if not stat.S_ISDIR(folder.st_mode) or not _ours(folder):
-            return None
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+    held = _held(os.path.dirname(file), create=False)
+    if held is None:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or not _ours(st) or st.st_size > MAX_BYTES:
+    with held:
+        try:
+            fd = held.open_file(os.path.basename(file), os.O_RDONLY | os.O_NONBLOCK)
+        except (OSError, ValueError):
             return None
-        return os.read(fd, MAX_BYTES)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not _ours(st) or st.st_size > MAX_BYTES:
+                return None
+            return os.read(fd, MAX_BYTES)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
 
 def write(file: str, data: bytes) -> None:
     """Atomically, mode 0600 in a 0700 directory of ours; failures are silent (a cache)."""
-    folder = os.path.dirname(file)
-    with contextlib.suppress(OSError):
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        st = os.lstat(folder)
-        if not stat.S_ISDIR(st.st_mode) or not _ours(st):
-            return
-        tmp = f"{file}.{os.getpid()}"
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, file)
+    held = _held(os.path.dirname(file), create=True)
+    if held is None:
+        return
+    with held, contextlib.suppress(OSError, ValueError):
+        held.write_atomically(os.path.basename(file), data, 0o600)
+
+
+def remove(file: str) -> None:
+    """Forget a cached file (best effort)."""
+    held = _held(os.path.dirname(file), create=False)
+    if held is None:
+        return
+    with held, contextlib.suppress(OSError, ValueError):
+        held.unlink(os.path.basename(file))
+
+
+def prune(prefix: str, keep: int) -> None:
+    """Keep the `keep` newest files whose names start with path(prefix)'s; drop the rest."""
+    held = _held(directory(), create=False)
+    if held is None:
+        return
+    start = os.path.basename(path(prefix))
+    with held, contextlib.suppress(OSError):
+        named = [n for n in held.listdir() if n.startswith(start)]
+        ages = sorted(named, key=lambda n: held.lstat(n).st_mtime_ns, reverse=True)
+        for name in ages[keep:]:
+            with contextlib.suppress(OSError):
+                held.unlink(name)

@@ -18,7 +18,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
@@ -145,10 +145,23 @@ class _Outcome:
     text: str = ""
 
 
-def probe_host() -> HostSupport:
-    """Probe every mechanism for the calling process; quick, side-effect free, never raises."""
-    started = time.monotonic()
-    probes: dict[str, Callable[[], Mechanism]] = {
+# Every mechanism, in HostSupport's order (runner/facts.py keeps the same names).
+MECHANISMS = (
+    "landlock",
+    "seccomp",
+    "no_new_privs",
+    "user_namespace",
+    "network_namespace",
+    "mount_namespace",
+    "pid_namespace",
+    "close_range",
+    "capture",
+)
+
+
+def _probes() -> dict[str, Callable[[], Mechanism]]:
+    # Built per call, so that the functions are looked up when probed (tests replace some).
+    return {
         "landlock": _probe_landlock,
         "seccomp": _probe_seccomp,
         "no_new_privs": _probe_no_new_privs,
@@ -159,8 +172,19 @@ def probe_host() -> HostSupport:
         "close_range": _probe_close_range,
         "capture": _probe_capture,
     }
-    results = {name: _guarded(name, probe) for name, probe in probes.items()}
+
+
+def probe_host() -> HostSupport:
+    """Probe every mechanism for the calling process; quick, side-effect free, never raises."""
+    started = time.monotonic()
+    results = {m.name: m for m in probe_mechanisms(MECHANISMS)}
     return HostSupport(euid=os.geteuid(), elapsed_s=time.monotonic() - started, **results)
+
+
+def probe_mechanisms(names: Iterable[str]) -> tuple[Mechanism, ...]:
+    """Probe only these mechanisms (names from MECHANISMS; others are ignored)."""
+    probes = _probes()
+    return tuple(_guarded(name, probes[name]) for name in names if name in probes)
 
 
 def format_table(support: HostSupport) -> str:

@@ -221,6 +221,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         process_write_roots=roots.process_write,
     )
     warnings += _denied_roots(roots, fs)
+    _refuse_own_state(fs.write, chosen, files=files)
     copies: tuple[tuple[str, str], ...] = ()
     if files:
         fs, copies = _clean_copies(fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen, warnings)
@@ -651,6 +652,32 @@ def _appended_by_us(paths: Sequence[str]) -> list[str]:
             if (st.st_dev, st.st_ino) in held:
                 found.append(path)
     return found
+
+
+def _refuse_own_state(
+    writable: Sequence[str], chosen: frozenset[Mechanism], *, files: bool
+) -> None:
+    """egressbox's state directory (confine/cache.py: the host probe, the seccomp program,
+    trusted policies) is never writable in a child's view: a command that rewrote it would
+    steer the next run. Without filesystem confinement the child may write whatever the
+    invoker may, this directory included; there is nothing to refuse then."""
+    if not files:
+        return
+    from egressbox.confine.cache import STATE_ENV
+    from egressbox.confine.plan import USER_TEMP
+
+    # With a mount namespace /tmp and /var/tmp are the child's own, not the host's.
+    private = USER_TEMP if Mechanism.MOUNT_NAMESPACE in chosen else ()
+    state = os.path.realpath(_cache_dir())
+    for root in writable:
+        if root not in private and is_under(state, os.path.realpath(root)):
+            raise RunRefusedError(
+                [],
+                message=f"refused: the writable root {root} contains egressbox's state "
+                f"directory {state} (its host probe, seccomp program and trusted policies), "
+                "which the command could rewrite to weaken the next run; grant a narrower "
+                f"root, or set {STATE_ENV} to a directory outside every writable root",
+            )
 
 
 def _rotated_siblings(path: str) -> list[str]:

@@ -47,6 +47,12 @@ def confirm(prepared: Prepared, launched: Launched, options: RunOptions) -> None
         and row.mechanism not in ("network_boundary", CAPTURE_ROW)
         and not (options.allow_loopback and row.mechanism == Mechanism.LANDLOCK_NET.value)
     ]
+    if gaps:
+        # The host probe said these were available and they were not applied: the cached
+        # probe is out of date (runner/facts.py); the next run probes afresh.
+        from egressbox.runner.facts import forget_facts
+
+        forget_facts()
     if gaps or prepared.network_boundary is not Enforcement.FULL:
         line = (
             f"confinement is partial: network boundary {prepared.network_boundary.value}; "
