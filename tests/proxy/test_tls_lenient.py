@@ -284,8 +284,22 @@ def capture_box(go_origin: GoOrigin, tmp_path: Path) -> Iterator[Path]:
 
 def run_captured(workspace: Path, dns: DnsServer, port: int, requests: list[dict[str, str]]) -> str:
     """The client in a confined child, every proxy variable unset; its stdout."""
-    actor = invoking_actor()
     (workspace / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    probe = run_confined(workspace, dns, ["/bin/cat", "/etc/resolv.conf"], subprocess.DEVNULL)
+    if "127.0.0.53" not in probe.stdout:  # capture's resolver is not in the child's world
+        pytest.skip(f"capture is not available here: {probe.stderr.strip()[-300:]}")
+    (workspace.parent / "audit.jsonl").write_text("")
+    with (workspace / "requests.jsonl").open("rb") as stdin:
+        client = ["/usr/bin/python3", "tls_variant_client.py", NAME, str(port)]
+        done = run_confined(workspace, dns, client, stdin)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def run_confined(
+    workspace: Path, dns: DnsServer, command: list[str], stdin: Any
+) -> subprocess.CompletedProcess[str]:
+    actor = invoking_actor()
     host, dns_port = dns.nameserver
     argv = [
         *actor.egressbox,
@@ -298,28 +312,21 @@ def run_captured(workspace: Path, dns: DnsServer, port: int, requests: list[dict
         "--nameserver",
         f"{host}:{dns_port}",
         "--",
-        "/usr/bin/python3",
-        "tls_variant_client.py",
-        NAME,
-        str(port),
+        *command,
     ]
     env = actor.base_env(workspace.parent)
     if "EGRESSBOX_PURE" in os.environ:  # the pass under test: interpreted or compiled
         env["EGRESSBOX_PURE"] = os.environ["EGRESSBOX_PURE"]
-    with (workspace / "requests.jsonl").open("rb") as stdin:
-        done = subprocess.run(
-            argv,
-            env=env,
-            cwd=workspace,
-            stdin=stdin,
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT,
-            check=False,
-        )
-    if done.returncode != 0 and not done.stdout:
-        pytest.skip(f"capture is not available here: {done.stderr.strip()[-300:]}")
-    return done.stdout
+    return subprocess.run(
+        argv,
+        env=env,
+        cwd=workspace,
+        stdin=stdin,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        check=False,
+    )
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="capture is Linux only")
