@@ -89,6 +89,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             add(sub)
         else:
             sub.add_parser(name)  # another command is parsed: only its name is needed
+    for name in LAYER_COMMANDS:
+        if command in (None, name):
+            _layer_command(name).add_parser(sub)
+        else:
+            sub.add_parser(name)
     if command in (None, "audit"):
         from egressbox import audit_cli
 
@@ -96,6 +101,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     else:
         sub.add_parser("audit", help="read audit logs, summarize them, suggest a policy")
     return parser
+
+
+# A staged run's layer: listed, applied or dropped (src/egressbox/cli/<name>.py each).
+LAYER_COMMANDS = ("changes", "apply", "discard")
+
+
+def _layer_command(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"egressbox.cli.{name}")
+
+
+def _cmd_layer(args: argparse.Namespace) -> int:
+    return int(_layer_command(args.command).main(args))
 
 
 def _command_of(argv: Sequence[str]) -> str | None:
@@ -408,6 +427,22 @@ def _add_run(sub: Subparsers) -> None:
     )
     p.add_argument("--audit-log", metavar="FILE", help="append audit records to FILE")
     p.add_argument(
+        "--workspace",
+        choices=["staged", "direct"],
+        default=None,
+        help="staged (default): the command's writes to its write roots land in a layer that "
+        "is applied when it exits, except host-trusted files (git config and hooks, any new "
+        ".git, shell start-up files, .envrc, .vscode, .idea, egressbox's own), which are held "
+        "back and named; direct: it writes the host's files live ([filesystem] "
+        "workspace_mode)",
+    )
+    p.add_argument(
+        "--review",
+        action="store_true",
+        help="keep the whole staged layer: apply nothing, then look with egressbox changes, "
+        "and egressbox apply or egressbox discard",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="report mode: names outside the allow list pass, audited as would_deny",
@@ -542,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "doctor": cmd_doctor,
         "connect": cmd_connect,
         "audit": _cmd_audit,
+        **dict.fromkeys(LAYER_COMMANDS, _cmd_layer),
     }
     try:
         code = handlers[args.command](args)

@@ -57,6 +57,10 @@ def run_command(args: Any, argv: list[str]) -> int:
         _print_report(args, result)
     for line in result.created_trusted:
         write_err(f"warning: {line}")
+    from egressbox.runner.gate import report_lines
+
+    for line in report_lines(result):
+        write_err(line)
     _save_approved(args, result)
     if result.refusal is not None:
         write_err(result.refusal.line(result.exit_code))
@@ -194,13 +198,15 @@ def _cli_options(
             timeout=args.timeout,
             read_only_workspace=getattr(args, "read_only_workspace", False),
             toolchain_cache=getattr(args, "toolchain_cache", None),
+            workspace=getattr(args, "workspace", None),
         )
     except ValueError as exc:
         write_err(str(exc))
         return None
     for path in chosen["writable_trusted"]:
         write_err(f"warning: {path} is host-trusted; the command may write it (--writable-trusted)")
-    trusted = tuple(p for p in (args.policy, args.audit_log) if p and p != "-")
+    own = (args.policy, args.audit_log, getattr(args, "save_approved", None))
+    trusted = tuple(p for p in own if p and p != "-")
     asking = _asking(args)
     if asking is None:
         return None
@@ -216,6 +222,7 @@ def _cli_options(
         log_allowed=getattr(args, "verbose", False),
         capture=not getattr(args, "no_capture", False),
         announce=not args.quiet,
+        review=getattr(args, "review", False),
         **asking,
         **chosen,
     )

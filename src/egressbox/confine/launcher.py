@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from egressbox.confine import netns
 from egressbox.confine.plan import CAPTURE_FILES, Mechanism, WorldSpec
+from egressbox.confine.staging import StagingSpec
 from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 
 # Signals the launcher and the reaper pass on to the command.
@@ -92,6 +93,9 @@ class LaunchPlan(NamedTuple):
     # Transparent capture in the network namespace (confine/capture.py): every TCP connection
     # to the capture listener, DNS to egressbox's DNS sockets. Only with a network namespace.
     capture: bool = False
+    # The staged workspace (confine/staging.py): each of its directories is an overlay whose
+    # upper is the run's layer; None: writable grants are bound read-write (direct).
+    staged: StagingSpec | None = None
 
     def has(self, mechanism: Mechanism) -> bool:
         return mechanism.value in self.mechanisms
@@ -438,7 +442,7 @@ def _mounts(plan: LaunchPlan) -> None:
         # copies of configuration files stay).
         spec = spec._replace(files=tuple(f for f in spec.files if f not in CAPTURE_FILES))
     try:
-        report = world.apply_world(spec, _PROGRESS.etc_hidden)
+        report = world.apply_world(spec, _PROGRESS.etc_hidden, plan.staged)
     except OSError as exc:
         raise LaunchError(f"cannot build the child's filesystem: {exc}") from None
     _PROGRESS.applied["world"] = {"steps": list(report.steps), "skipped": report.skipped}

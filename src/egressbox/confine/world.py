@@ -40,8 +40,9 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from egressbox.confine import syscalls
+from egressbox.confine import staging, syscalls
 from egressbox.confine.plan import WorldSpec
+from egressbox.confine.staging import StagingSpec
 from egressbox.confine.syscalls import (
     MNT_DETACH,
     MOUNT_ATTR_NODEV,
@@ -126,11 +127,14 @@ class WorldError(OSError):
     """An essential step failed: the command must not run in a half-built world."""
 
 
-def apply_world(spec: WorldSpec, etc_hidden: list[str] | None = None) -> WorldReport:
+def apply_world(
+    spec: WorldSpec, etc_hidden: list[str] | None = None, staged: StagingSpec | None = None
+) -> WorldReport:
     """Build the new root and pivot into it; see the module docstring for the steps.
 
     `etc_hidden` is unreadable_to_others("/etc") when the caller has walked it already (the
-    launcher does while the proxy loads its policy).
+    launcher does while the proxy loads its policy). With `staged`, each of its directories is
+    an overlay whose upper is the run's layer (confine/staging.py), not a read-write bind.
     """
     _check_absolute(spec)
     if not is_new_mount_namespace():
@@ -142,9 +146,10 @@ def apply_world(spec: WorldSpec, etc_hidden: list[str] | None = None) -> WorldRe
         links = _symlinks_along(p for p, _ in spec.grants)
         sources = _open_sources(spec, fds)
         devices = _open_devices(fds)
+        layers, direct = _open_staging(staged, fds)
         if etc_hidden is None:
             etc_hidden = unreadable_to_others("/etc") if _granted("/etc", spec) else []
-        _build(spec, _Held(links, sources, devices, etc_hidden), log)
+        _build(spec, _Held(links, sources, devices, etc_hidden, layers, direct), log)
     finally:
         for fd in fds:
             os.close(fd)
@@ -162,6 +167,10 @@ class _Held:
     sources: list[_Source]
     devices: dict[str, int]
     etc_hidden: list[str]
+    # Staged directories: host path -> (upper fd, work fd); then what is bound directly on
+    # top of them (the scratch space), as writable sources.
+    layers: dict[str, tuple[int, int]]
+    direct: list[_Source]
 
 
 def _build(spec: WorldSpec, held: _Held, log: _Log) -> None:
@@ -175,7 +184,8 @@ def _build(spec: WorldSpec, held: _Held, log: _Log) -> None:
         log.did(f"private {path} (tmpfs, {size})")
     for link, target in held.links:
         _mirror_link(root, link, target)
-    _bind_all(root, held.sources, log)
+    _bind_all(root, held.sources, log, held.layers)
+    _bind_direct(root, held.direct, log)
     _pin_ancestors(root, spec, log)
     for path in spec.read_only:
         _protect(root, os.path.realpath(path), log)
@@ -407,12 +417,19 @@ def _mirror_link(root: str, link: str, target: str) -> None:
             os.symlink(target, root + link)
 
 
-def _bind_all(root: str, sources: list[_Source], log: _Log) -> None:
+def _bind_all(
+    root: str, sources: list[_Source], log: _Log, layers: dict[str, tuple[int, int]]
+) -> None:
     bound: list[_Source] = []
     for source in sources:
         cover = next((b for b in reversed(bound) if is_under(source.path, b.path)), None)
         if cover is not None and cover.writable == source.writable:
             continue  # already there, with the same access, through cover's recursive bind
+        layer = layers.get(source.path) if source.writable and source.is_dir else None
+        if layer is not None:
+            _overlay(root, source, layer, log)
+            bound.append(source)
+            continue
         try:
             _mount_point(root, source)
             target = root + source.path
@@ -424,6 +441,81 @@ def _bind_all(root: str, sources: list[_Source], log: _Log) -> None:
             continue
         bound.append(source)
         log.did(f"bind {source.path} ({'rw' if source.writable else 'ro'})")
+
+
+def _open_staging(
+    staged: StagingSpec | None, fds: list[int]
+) -> tuple[dict[str, tuple[int, int]], list[_Source]]:
+    """O_PATH handles on the layers' upper and work directories (egressbox's own state, never
+    granted) and on the directories bound directly on top, while the host's tree is in view."""
+    if staged is None:
+        return {}, []
+    layers: dict[str, tuple[int, int]] = {}
+    for host, upper, work in staged.layers:
+        try:
+            pair = [os.open(p, _O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW) for p in (upper, work)]
+        except OSError as exc:
+            raise WorldError(exc.errno or errno.EIO, f"layer of {host}: {exc.strerror}") from None
+        fds.extend(pair)
+        layers[os.path.realpath(host)] = (pair[0], pair[1])
+    direct: list[_Source] = []
+    for path in staged.direct:
+        try:
+            fd = os.open(path, _O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # the command's scratch space is then made inside the layer
+        fds.append(fd)
+        direct.append(_Source(path, True, fd, True))
+    return layers, direct
+
+
+def _overlay(root: str, source: _Source, layer: tuple[int, int], log: _Log) -> None:
+    """The writable directory as an overlay: the host's directory below, the layer above.
+
+    A staged directory that cannot be mounted is an error, never a silent read-write bind.
+    """
+    upper, work = layer
+    options = staging.overlay_options(
+        f"/proc/self/fd/{source.fd}",
+        f"/proc/self/fd/{upper}",
+        f"/proc/self/fd/{work}",
+        user_namespace=os.getuid() != 0 or _in_user_namespace(),
+    )
+    try:
+        _mount_point(root, source)
+        syscalls.mount("overlay", root + source.path, "overlay", MS_NOSUID | MS_NODEV, options)
+    except OSError as exc:
+        raise WorldError(
+            exc.errno or errno.EIO, f"staged {source.path} (overlayfs): {exc.strerror or exc}"
+        ) from None
+    log.did(f"staged {source.path} (overlay; writes go to the run's layer)")
+
+
+def _in_user_namespace() -> bool:
+    """Whether this process is in a user namespace other than the initial one (uid 0 there
+    maps to another uid outside): overlayfs then needs userxattr."""
+    try:
+        with open("/proc/self/uid_map", encoding="ascii") as handle:
+            first = handle.read().split()
+    except OSError:
+        return True
+    return first[:3] != ["0", "0", "4294967295"]
+
+
+def _bind_direct(root: str, sources: list[_Source], log: _Log) -> None:
+    """The scratch space read-write from the host, on top of its staged workspace: temp files
+    and tool caches are not part of what a run hands back."""
+    for source in sources:
+        target = root + source.path
+        try:
+            if not os.path.isdir(target) or os.path.islink(target):
+                raise OSError(errno.ENOENT, "not a directory in the view")
+            syscalls.mount(f"/proc/self/fd/{source.fd}", target, None, MS_BIND)
+            syscalls.mount_setattr(target, _BIND_ATTRS, recursive=False)
+        except OSError as exc:
+            log.skip(f"scratch {source.path}", exc.strerror or str(exc))
+            continue
+        log.did(f"bind {source.path} (rw, not staged: scratch space)")
 
 
 def _mount_point(root: str, source: _Source) -> None:

@@ -15,6 +15,7 @@ from egressbox.confine.plan import (
 from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 from egressbox.runner.assemble import Prepared, prepare
 from egressbox.runner.facts import host_facts
+from egressbox.runner.gate import abandon
 from egressbox.runner.options import RunOptions, RunResult, options_for, write_err
 from egressbox.runner.spawn import Launched, confirm, spawn
 from egressbox.runner.supervise import (
@@ -46,7 +47,11 @@ def _start(
 ) -> tuple[Prepared, Launched]:
     prepared = prepare(options, facts or host_facts())
     _warn(prepared)
-    launched = spawn(prepared, capture_output=capture_output)
+    try:
+        launched = spawn(prepared, capture_output=capture_output)
+    except BaseException:
+        abandon(prepared.stage)
+        raise
     launched.go()
     launched.start_timer(options.timeout)
     confirm(prepared, launched, options)
@@ -69,12 +74,17 @@ def run_options_sync(
     """
     prepared = prepare(options, facts or host_facts())
     _warn(prepared)
-    launched = spawn(prepared, capture_output=capture_output)
+    try:
+        launched = spawn(prepared, capture_output=capture_output)
+    except BaseException:
+        abandon(prepared.stage)
+        raise
     if policy_loader is not None:
         try:
             options = options._replace(policy=policy_loader())
         except BaseException:
             launched.abandon()
+            abandon(prepared.stage)
             raise
     launched.go()
     launched.start_timer(options.timeout)

@@ -48,6 +48,17 @@ from egressbox.confine.plan import (
 from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot, plan_caches
 from egressbox.errors import EgressboxError
 from egressbox.runner.facts import _cache_dir, _compiled_seccomp
+from egressbox.runner.gate import (
+    DIRECT,
+    NO_MOUNTS,
+    STAGED,
+    Stage,
+    abandon,
+    recover,
+    staged_roots,
+)
+from egressbox.runner.gate import stage as gate_stage
+from egressbox.runner.layers import state_home
 from egressbox.runner.options import (
     ENV_SANDBOX,
     ROOT_DETAIL,
@@ -103,6 +114,10 @@ class Prepared:
     # namespace): removed when the run ends.
     cleanup: list[str]
     read_only_workspaces: tuple[str, ...]  # --read-only-workspace, for refusal hints
+    # The staged workspace's layer and root handles (runner/gate.py), until the run's end.
+    stage: Stage | None
+    workspace: str  # "staged" or "direct"
+    workspace_detail: str
 
     def __init__(
         self,
@@ -132,6 +147,9 @@ class Prepared:
         self.started = 0.0
         self.cleanup = []
         self.read_only_workspaces = ()
+        self.stage = None
+        self.workspace = "direct"
+        self.workspace_detail = ""
 
 
 class _Roots(NamedTuple):
@@ -241,8 +259,54 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         capture_off=capture_off,
         copies=copies,
     )
-    if Mechanism.SECCOMP in chosen:
-        plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
+    staged = _stage(options, start, roots, warnings)
+    if staged.stage is not None and plan.world is not None:
+        # The gate holds host-trusted names back at the run's end: the command may write them
+        # in its layer (git config, a hook), and what it wrote is named, not applied. Read-only
+        # roots nested in writable ones stay read-only binds.
+        kept = tuple(p for p in plan.world.read_only if p not in set(trusted))
+        world = plan.world._replace(read_only=kept)
+        plan = plan._replace(staged=staged.stage.layer.spec(staged.direct), world=world)
+    try:
+        if Mechanism.SECCOMP in chosen:
+            plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
+        return _finish(
+            options,
+            start,
+            plan,
+            staged,
+            roots=roots,
+            trusted=trusted,
+            caches=caches,
+            capture_off=capture_off,
+            listeners=listeners,
+            env=env,
+        )
+    except BaseException:
+        abandon(staged.stage)
+        raise
+
+
+def _finish(
+    options: RunOptions,
+    start: _Start,
+    plan: LaunchPlan,
+    staged: _Staged,
+    *,
+    roots: _Roots,
+    trusted: tuple[str, ...],
+    caches: CachePlan,
+    capture_off: str,
+    listeners: list[socket.socket],
+    env: dict[str, str],
+) -> Prepared:
+    profile, chosen, warnings, executable = (
+        start.profile,
+        start.chosen,
+        start.warnings,
+        start.executable,
+    )
+    home, files = start.home, Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
     report, network = enforcement_report(profile, chosen, capture_off=capture_off)
     homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
     prepared = Prepared(plan, report, listeners, network, warnings=warnings, homes=homes)
@@ -256,9 +320,59 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     prepared.foreign_locale = _message_locale(env)
     prepared.started = time.time()
     prepared.cleanup = start.cleanup
+    layout = roots.layout
     prepared.read_only_workspaces = layout.workspaces if layout.read_only else ()
     prepared.guard = _guard(options, layout, roots, trusted, home)
+    prepared.stage = staged.stage
+    prepared.workspace, prepared.workspace_detail = staged.mode, staged.detail
     return prepared
+
+
+class _Staged(NamedTuple):
+    stage: Stage | None
+    mode: str
+    detail: str
+    direct: tuple[str, ...] = ()
+
+
+def _stage(options: RunOptions, start: _Start, roots: _Roots, warnings: list[str]) -> _Staged:
+    """The run's layer when its workspace is staged (runner/gate.py); an earlier apply of this
+    workspace that was interrupted is finished first."""
+    layout, home = roots.layout, start.home
+    state = state_home(dict(start.base))
+    writable = staged_roots((*layout.writable, *roots.process_write))
+    if writable:
+        warnings += recover(state, writable[0])
+    if options.review and (
+        options.workspace != STAGED or Mechanism.MOUNT_NAMESPACE not in start.chosen
+    ):
+        raise EgressboxError(f"--review needs a staged workspace: {NO_MOUNTS}")
+    if options.workspace != STAGED:
+        return _Staged(None, DIRECT, "--workspace direct: the command writes the host's files")
+    if Mechanism.MOUNT_NAMESPACE not in start.chosen:
+        return _Staged(None, DIRECT, NO_MOUNTS)
+    if not writable:
+        return _Staged(None, STAGED, "nothing writable to stage")
+    direct: tuple[str, ...] = ()
+    if start.scratch is not None and not layout.read_only:
+        made = make_scratch(layout.workspaces[0])  # on the host, never through a link
+        if made is not None:
+            direct = (os.path.dirname(made.tmp),)
+    own = [*options.trusted_files, _cache_dir(), *direct]
+    own += [r for f in options.trusted_files for r in _rotated_siblings(os.path.realpath(f))]
+    lifted = [os.path.realpath(expand_user(p, home)) for p in options.writable_trusted]
+    stage = gate_stage(
+        writable,
+        own=own,
+        lifted=lifted,
+        git_dirs=[os.path.realpath(p) for p, _ in layout.git_write],
+        argv=options.argv,
+        cwd=os.path.realpath(options.cwd or os.getcwd()),
+        review=options.review,
+        home=state,
+    )
+    detail = f"writes go to run {stage.layer.run}'s layer, applied through the gate at exit"
+    return _Staged(stage, STAGED, detail, direct)
 
 
 def _mechanisms(

@@ -23,6 +23,7 @@ from egressbox.errors import EgressboxError
 if TYPE_CHECKING:
     from egressbox.audit import AuditRecord
     from egressbox.confine.refusal import RefusalRecord
+    from egressbox.confine.staging import Change
     from egressbox.policy import Policy, RunSettings
     from egressbox.proxy.approval import Approved, Decider
 
@@ -35,6 +36,9 @@ SCRATCH_DIR = ".egressbox"
 
 
 ENV_SANDBOX = "EGRESSBOX_SANDBOX"
+
+# run --workspace: writes staged in a layer and applied through the gate, or direct (live).
+WORKSPACE_MODES = ("staged", "direct")
 
 
 ENV_PROFILE = "EGRESSBOX_PROFILE"
@@ -114,6 +118,11 @@ class RunOptions(NamedTuple):
     # admits (a callback, runner.ask.TerminalPrompt, approval.CommandDecider); None: denied.
     on_miss: Decider | None = None
     ask_timeout: float | None = None  # seconds; None: approval.DEFAULT_TIMEOUT
+    # How the command's writes reach the host (confine/staging.py): "staged" in a layer applied
+    # through a gate when it exits (host-trusted names held back), or "direct" (live).
+    workspace: str = "staged"
+    # Staged: keep the whole layer for `egressbox changes|apply|discard`, apply nothing.
+    review: bool = False
 
 
 class MechanismReport(NamedTuple):
@@ -162,6 +171,16 @@ class RunResult:
     created_trusted: list[str] = field(default_factory=list)
     # What the run's on_miss allowed (for --save-approved: approval.save_approved).
     approved: list[Approved] = field(default_factory=list)
+    # "staged" or "direct", and why when staging was asked for and not built.
+    workspace: str = "direct"
+    workspace_detail: str = ""
+    # The staged run's id (its layer in egressbox's state directory), while anything of it is
+    # kept: held-back entries, entries that failed to apply, or the whole layer (--review).
+    layer: str = ""
+    applied: list[Change] = field(default_factory=list)
+    held: list[Change] = field(default_factory=list)
+    apply_failed: list[tuple[str, str]] = field(default_factory=list)
+    apply_skipped: list[Change] = field(default_factory=list)
 
 
 def effective_profile(requested: Profile, env: Mapping[str, str]) -> Profile:
@@ -199,6 +218,8 @@ def options_for(
     announce: bool = True,
     on_miss: Decider | None = None,
     ask_timeout: float | None = None,
+    workspace: str | None = None,
+    review: bool = False,
 ) -> RunOptions:
     """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined().
 
@@ -220,6 +241,7 @@ def options_for(
         announce=announce,
         on_miss=on_miss,
         ask_timeout=ask_timeout,
+        review=review,
         **with_settings(
             policy.run_settings if policy is not None else None,
             profile=profile,
@@ -233,6 +255,7 @@ def options_for(
             timeout=timeout,
             read_only_workspace=read_only_workspace,
             toolchain_cache=toolchain_cache,
+            workspace=workspace,
         ),
     )
 
@@ -252,6 +275,7 @@ def with_settings(
     writable_trusted: Sequence[str] = (),
     read_only_workspace: bool = False,
     toolchain_cache: str | None = None,
+    workspace: str | None = None,
 ) -> dict[str, Any]:
     """RunOptions fields from the policy's run tables and the caller's choices.
 
@@ -270,6 +294,9 @@ def with_settings(
     caches = toolchain_cache or fs.toolchain_cache or "scratch"
     if caches not in ("scratch", "real"):
         raise ValueError(f"toolchain_cache must be 'scratch' or 'real', got {caches!r}")
+    mode = workspace or getattr(fs, "workspace_mode", None) or "staged"
+    if mode not in WORKSPACE_MODES:
+        raise ValueError(f"workspace must be 'staged' or 'direct', got {mode!r}")
     return {
         "profile": Profile(profile or process.profile or Profile.WORKSPACE_PATHS),
         "env_policy": EnvPolicy(env or table_env.policy or EnvPolicy.INHERITED),
@@ -291,6 +318,7 @@ def with_settings(
         "max_memory": process.max_memory,
         "read_only_workspace": read_only_workspace or fs.workspace == "read-only",
         "toolchain_cache": caches,
+        "workspace": mode,
     }
 
 

@@ -19,6 +19,7 @@ from egressbox.confine.plan import (
 )
 from egressbox.exitcodes import EXIT_TAMPERED, EXIT_TIMEOUT
 from egressbox.runner.assemble import Prepared
+from egressbox.runner.gate import finish
 from egressbox.runner.options import RunOptions, RunResult
 from egressbox.runner.spawn import Launched, _kill_and_reap
 from egressbox.stderr_tee import (
@@ -230,6 +231,10 @@ async def _supervise(hold: _Hold, prepared: Prepared) -> RunResult:
     except BaseException:
         hold.stop()
         clean_up(prepared)
+        if prepared.stage is not None:
+            # Not applied: the layer stays, and the next run or `egressbox changes` names it.
+            prepared.stage.close()
+            prepared.stage = None
         try:
             await proxy.close(0)
         finally:
@@ -521,8 +526,11 @@ def _result(
 
         result = RunResult(EXIT_TIMEOUT, records, prepared.report, roots=prepared.roots)
         result.refusal = RefusalRecord(Boundary.TIMEOUT, timeout=launched.timeout)
+        finish(prepared, result)
         return result
     result = RunResult(code, records, prepared.report, roots=prepared.roots)
+    # The way back, before anything judges the host's files: the layer through the gate.
+    finish(prepared, result)
     result.created_trusted = _created_trusted(prepared)
     result.warnings = list(prepared.warnings) + result.created_trusted
     if prepared.guard is not None and prepared.guard.acted:
