@@ -357,7 +357,6 @@ def _empty(dir_fd: int, name: str) -> bool:
 
 def discard(layer: Layer) -> None:
     """Remove the layer's directory (its upper may hold directories the child made 000)."""
-    import shutil
 
     def unlock(_func: object, path: str, _exc: object) -> None:
         with contextlib.suppress(OSError):
@@ -369,5 +368,28 @@ def discard(layer: Layer) -> None:
                 os.unlink(path)
 
     path = layer.path
+    if _remove_empty(layer):
+        return
+    import shutil
+
     layer.close()
     shutil.rmtree(path, onerror=unlock)
+
+
+def _remove_empty(layer: Layer) -> bool:
+    """The usual end of a layer applied whole: its few entries removed by name, without
+    loading shutil (~2.5 ms of a run's end); False when anything else is left."""
+    try:
+        for index in range(len(layer.roots)):
+            os.rmdir(f"u{index}", dir_fd=layer.fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(f"w{index}/work", dir_fd=layer.fd)  # overlayfs's own
+            os.rmdir(f"w{index}", dir_fd=layer.fd)
+        for name in (META, STATE, LOCK, staging.JOURNAL):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=layer.fd)
+        layer.close()
+        os.rmdir(layer.path)
+    except OSError:
+        return False
+    return True
