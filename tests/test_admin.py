@@ -181,8 +181,8 @@ async def test_a_flood_of_slow_clients_is_bounded_and_the_listener_still_answers
     await server.start()
     host, port = sock.getsockname()
     try:
-        # Clients that send half a head and wait: each is cut off by the timeout, and
-        # at most ADMIN_MAX_CONNECTIONS are held at once.
+        # Clients that send half a head and wait: each is cut off by the head deadline or
+        # evicted by a newer connection, and at most ADMIN_MAX_CONNECTIONS are held at once.
         slow = [await asyncio.open_connection(host, port) for _ in range(40)]
         for _, writer in slow:
             writer.write(b"GET /metrics HTTP/1.1\r\n")
@@ -197,10 +197,10 @@ async def test_a_flood_of_slow_clients_is_bounded_and_the_listener_still_answers
             cut += await _read_all(slow_reader) == b""
         assert cut == len(slow)  # nobody was answered without a whole head
         answer = await _read_all(reader)
-        # Either answered (a slot was free) or closed at once (all slots taken): never hung.
-        assert answer == b"" or answer.startswith(b"HTTP/1.1 200 ")
+        # Answered, though every slot was taken: an idle connection made room for it.
+        assert answer.startswith(b"HTTP/1.1 200 ")
         big = await _read_all(big_reader)
-        assert big == b"" or big.startswith(b"HTTP/1.1 431 ")
+        assert big.startswith(b"HTTP/1.1 431 ")
         for _, slow_writer in slow:
             slow_writer.close()
         writer.close()
