@@ -196,3 +196,19 @@ def test_save_approved_replaces_a_link_never_writes_through_it(
     assert list(target.iterdir()) == []
     assert not (tmp_path / "approved.toml").is_symlink()
     assert "[egress]" in (tmp_path / "approved.toml").read_text()
+
+
+def test_a_held_directory_removed_meanwhile_is_said_and_nothing_written(
+    tmp_path: Path, target: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    held = HeldFile(out / "approved.toml")
+    out.rmdir()
+    out.symlink_to(target)
+    try:
+        with pytest.raises(FileNotFoundError, match="was removed after egressbox opened it"):
+            save_approved(held, [])
+    finally:
+        held.close()
+    assert list(target.iterdir()) == []

@@ -53,6 +53,20 @@ class SymlinkOnPathError(OSError):
         return str(self.strerror)
 
 
+class DirectoryRemovedError(FileNotFoundError):
+    """The held directory was deleted after it was opened: nothing is written, anywhere."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            errno.ENOENT,
+            f"its directory {path} was removed after egressbox opened it at start; "
+            "nothing was written (and nothing anywhere else)",
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def component(name: str) -> str:
     """``name`` if it is one plain path component; ValueError otherwise."""
     if not name or name in (".", "..") or "/" in name or "\0" in name:
@@ -136,9 +150,23 @@ class HeldDir:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         for _ in range(_TEMP_ATTEMPTS):
             temporary = f".{component(name)}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-            with contextlib.suppress(FileExistsError):
+            try:
                 return temporary, self.open_file(temporary, flags, 0o600)
+            except FileExistsError:
+                continue
+            except FileNotFoundError:
+                self._check_not_removed()
+                raise
         raise FileExistsError(errno.EEXIST, f"no free temporary name beside {name} in {self.path}")
+
+    def _check_not_removed(self) -> None:
+        """Say so when the held directory itself was deleted (moved away and removed)."""
+        try:
+            gone = os.fstat(self.fileno()).st_nlink == 0
+        except OSError:
+            return
+        if gone:
+            raise DirectoryRemovedError(self.path)
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
