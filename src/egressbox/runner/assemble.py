@@ -239,7 +239,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         process_write_roots=roots.process_write,
     )
     warnings += _denied_roots(roots, fs)
-    _refuse_own_state(fs.write, chosen, files=files)
+    _refuse_own_state(fs.write, chosen, files=files, own=_own_files(options, home))
     copies: tuple[tuple[str, str], ...] = ()
     if files:
         fs, copies = _clean_copies(fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen, warnings)
@@ -769,12 +769,18 @@ def _appended_by_us(paths: Sequence[str]) -> list[str]:
 
 
 def _refuse_own_state(
-    writable: Sequence[str], chosen: frozenset[Mechanism], *, files: bool
+    writable: Sequence[str],
+    chosen: frozenset[Mechanism],
+    *,
+    files: bool,
+    own: Sequence[str] = (),
 ) -> None:
     """egressbox's state directory (confine/cache.py: the host probe, the seccomp program,
     trusted policies) is never writable in a child's view: a command that rewrote it would
-    steer the next run. Without filesystem confinement the child may write whatever the
-    invoker may, this directory included; there is nothing to refuse then."""
+    steer the next run. Nor may the path to one of egressbox's own files (`own`: policy,
+    audit log, --save-approved's output) lead through a symbolic link inside a writable root:
+    the command could point the link elsewhere, and the next run would follow it. Without
+    filesystem confinement the child may write whatever the invoker may; nothing to refuse."""
     if not files:
         return
     from egressbox.confine.cache import STATE_ENV
@@ -782,9 +788,10 @@ def _refuse_own_state(
 
     # With a mount namespace /tmp and /var/tmp are the child's own, not the host's.
     private = USER_TEMP if Mechanism.MOUNT_NAMESPACE in chosen else ()
+    roots = [(w, os.path.realpath(w)) for w in writable if w not in private]
     state = os.path.realpath(_cache_dir())
-    for root in writable:
-        if root not in private and is_under(state, os.path.realpath(root)):
+    for root, real in roots:
+        if is_under(state, real):
             raise RunRefusedError(
                 [],
                 message=f"refused: the writable root {root} contains egressbox's state "
@@ -792,6 +799,34 @@ def _refuse_own_state(
                 "which the command could rewrite to weaken the next run; grant a narrower "
                 f"root, or set {STATE_ENV} to a directory outside every writable root",
             )
+    for path in own:
+        for link in _links_on_the_way(path):
+            holder = next((r for r, real in roots if is_under(link, real)), None)
+            if holder is not None:
+                raise RunRefusedError(
+                    [],
+                    message=f"refused: {path} leads through the symbolic link {link} inside "
+                    f"the writable root {holder}; the command could point it elsewhere and "
+                    "move the file egressbox writes or trusts there; name the real path "
+                    f"{os.path.realpath(path)} instead",
+                )
+
+
+def _own_files(options: RunOptions, home: str) -> list[str]:
+    source = options.policy.source if options.policy is not None else ""
+    named = [*options.trusted_files, *([source] if source else [])]
+    return [os.path.abspath(expand_user(p, home)) for p in named]
+
+
+def _links_on_the_way(path: str) -> list[str]:
+    """The symbolic links met resolving `path`, each named by its resolved parent."""
+    links, parent = [], "/"
+    for part in [p for p in path.split("/") if p]:
+        here = os.path.join(parent, part)
+        if os.path.islink(here):
+            links.append(here)
+        parent = os.path.realpath(here)
+    return links
 
 
 def _rotated_siblings(path: str) -> list[str]:
