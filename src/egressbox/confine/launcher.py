@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, NoReturn
 
 from egressbox.confine import netns
+from egressbox.confine.cgroup import CgroupPlan
 from egressbox.confine.plan import CAPTURE_FILES, Mechanism, WorldSpec
 from egressbox.confine.staging import StagingSpec
 from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
@@ -93,6 +94,10 @@ class LaunchPlan(NamedTuple):
     # Transparent capture in the network namespace (confine/capture.py): every TCP connection
     # to the capture listener, DNS to egressbox's DNS sockets. Only with a network namespace.
     capture: bool = False
+    # The run's memory budget as a cgroup of its own (confine/cgroup.py); None: no cgroup, for
+    # the reason in cgroup_off (the tmpfs sizes and RLIMIT_DATA then bound what they can).
+    cgroup: CgroupPlan | None = None
+    cgroup_off: str = ""
     # The staged workspace (confine/staging.py): each of its directories is an overlay whose
     # upper is the run's layer; None: writable grants are bound read-write (direct).
     staged: StagingSpec | None = None
@@ -190,6 +195,56 @@ def _die_with_parent(parent: int) -> None:
 
 def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
     _die_with_parent(plan.parent_pid)
+    group = _enter_cgroup(plan)
+    try:
+        return _launch_in(plan, chan)
+    finally:
+        # Only the launcher gets here: the reaper and the command end in os._exit or exec.
+        if group:
+            _leave_cgroup(group, plan)
+
+
+def _enter_cgroup(plan: LaunchPlan) -> str:
+    """Into the run's cgroup before anything is forked; "" when there is none (and why)."""
+    from egressbox.confine import cgroup
+
+    spec = plan.world
+    tmpfs = 0
+    if spec is not None and spec.tmp_size.isdigit() and spec.shm_size.isdigit():
+        from egressbox.confine.plan import tmpfs_total
+
+        tmpfs = tmpfs_total(int(spec.tmp_size), int(spec.shm_size))
+    memory: dict[str, Any] = {"budget": plan.rlimit_data, "rlimit_data": plan.rlimit_data}
+    memory["tmpfs"] = tmpfs if plan.has(Mechanism.MOUNT_NAMESPACE) else 0
+    _PROGRESS.applied["memory"] = memory
+    if plan.cgroup is None:
+        memory["why"] = plan.cgroup_off
+        return ""
+    try:
+        path = cgroup.enter(plan.cgroup)
+    except OSError as exc:
+        memory["why"] = f"making {plan.cgroup.path} failed: {exc.strerror or exc}"
+        return ""
+    memory.update(cgroup=path, budget=plan.cgroup.memory_max, pids=plan.cgroup.pids_max)
+    return path
+
+
+def _leave_cgroup(path: str, plan: LaunchPlan) -> None:
+    from egressbox.confine import cgroup
+
+    outcome = cgroup.leave(path)
+    if outcome.oom_kills and plan.cgroup is not None:
+        budget = plan.cgroup.memory_max
+        with contextlib.suppress(OSError):
+            os.write(
+                2,
+                f"egressbox: the run reached its memory budget ({budget} bytes, memory.max of "
+                f"its cgroup): the kernel killed {outcome.oom_kills} of its processes "
+                "([process] max_memory sets the budget)\n".encode(),
+            )
+
+
+def _launch_in(plan: LaunchPlan, chan: socket.socket) -> int:
     _preload(plan)
     prepared = _prepare_seccomp(plan)
     _unshare(plan)

@@ -430,6 +430,36 @@ def expand_excluding(
 # letting one run fill the host's memory (tmpfs pages are memory).
 DEFAULT_TMP_SIZE = "2g"
 DEFAULT_SHM_SIZE = "256m"
+_MIB = 1 << 20
+DEFAULT_TMP_BYTES = 2048 * _MIB
+DEFAULT_SHM_BYTES = 256 * _MIB
+# The world's own fixed-size tmpfs (confine/world.py ROOT_SIZE 4m, RUN_SIZE 16m, DEV_SIZE
+# 64k): part of every run's file systems, whatever the budget.
+FIXED_TMPFS_BYTES = 4 * _MIB + 16 * _MIB + 64 * 1024
+# The smallest /tmp and /dev/shm worth mounting; policy.MIN_MAX_MEMORY (64 MiB) leaves room
+# for both above the fixed part.
+MIN_TMP_BYTES = 4 * _MIB
+MIN_SHM_BYTES = 1 * _MIB
+
+
+def tmpfs_sizes(budget: int | None) -> tuple[int, int]:
+    """/tmp's (and /var/tmp's) and /dev/shm's sizes in bytes, so that the run's private file
+    systems together (/tmp, /var/tmp, /dev/shm, /run, the root and /dev) stay within
+    `budget`: the defaults when they fit, scaled down in proportion when they do not."""
+    if budget is None:
+        return DEFAULT_TMP_BYTES, DEFAULT_SHM_BYTES
+    room = budget - FIXED_TMPFS_BYTES
+    wanted = 2 * DEFAULT_TMP_BYTES + DEFAULT_SHM_BYTES
+    if room >= wanted:
+        return DEFAULT_TMP_BYTES, DEFAULT_SHM_BYTES
+    tmp = max(room * DEFAULT_TMP_BYTES // wanted, MIN_TMP_BYTES)
+    shm = max(room - 2 * tmp, MIN_SHM_BYTES)
+    return tmp, shm
+
+
+def tmpfs_total(tmp: int, shm: int) -> int:
+    """What the run's private file systems may hold at most, together."""
+    return 2 * tmp + shm + FIXED_TMPFS_BYTES
 
 
 # With capture (confine/capture.py) the child's resolver asks egressbox's DNS address inside

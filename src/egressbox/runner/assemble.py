@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from egressbox.confine import netns
+from egressbox.confine.cgroup import CgroupPlan
 from egressbox.confine.env import (
     PORT_TEMPLATES,
     Scratch,
@@ -43,6 +44,7 @@ from egressbox.confine.plan import (
     host_trusted,
     is_under,
     plan_filesystem,
+    tmpfs_sizes,
     wanted,
 )
 from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot, plan_caches
@@ -462,6 +464,11 @@ def _launch_plan(
     # A read grant inside a writable root adds nothing (a venv in the workspace stays
     # writable); read-only roots nested in writable ones are fs.read_only_inside_write.
     readable = [p for p in (*fs.read, *socket_roots) if not any(is_under(p, w) for w in writable)]
+    # One memory figure for the run: a cgroup where the host delegates one; the private file
+    # systems' sizes fit in it either way (confine/plan.py tmpfs_sizes).
+    budget = options.max_memory or _half_the_memory()
+    tmp, shm = tmpfs_sizes(budget)
+    group, group_off = _cgroup(budget, options.max_processes)
     world = WorldSpec(
         grants=(*((p, False) for p in readable), *((p, True) for p in writable)),
         read_only=fs.read_only_inside_write,
@@ -471,6 +478,8 @@ def _launch_plan(
         cwd=os.path.realpath(options.cwd or os.getcwd()),
         protect_kernel=os.getuid() == 0,
         max_processes=options.max_processes,
+        tmp_size=str(tmp),
+        shm_size=str(shm),
         # Captured: the child's resolver asks egressbox's DNS inside the namespace.
         # and the tools' configuration files as clean copies (confine/clean.py).
         files=(*(CAPTURE_FILES if capture else ()), *copies),
@@ -496,7 +505,9 @@ def _launch_plan(
         rlimit_nofile=options.rlimit_nofile,
         rlimit_as=options.rlimit_as,
         rlimit_nproc=options.max_processes,
-        rlimit_data=options.max_memory or _half_the_memory(),
+        rlimit_data=budget,
+        cgroup=group,
+        cgroup_off=group_off,
         best_effort=profile is not Profile.OS_HARDENED,
         env_ports=templates,
         parent_pid=os.getpid(),
@@ -688,6 +699,14 @@ def _capture_off(options: RunOptions, chosen: frozenset[Mechanism], facts: HostF
         status = facts.status.get(CAPTURE_HOST_FACT, "absent_on_host")
         return f"unavailable on this host ({status}; egressbox doctor says why)"
     return ""
+
+
+def _cgroup(budget: int | None, max_processes: int | None) -> tuple[CgroupPlan | None, str]:
+    if budget is None:
+        return None, "the host's memory size is unknown"
+    from egressbox.confine import cgroup
+
+    return cgroup.probe(budget, max_processes, f"{cgroup.PREFIX}{os.getpid()}")
 
 
 def _half_the_memory() -> int | None:
@@ -1087,7 +1106,33 @@ def applied_report(
     network = _network_boundary(applied_set)
     rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
     rows.append(_capture_row(applied or {}, capture_off, capture_served))
+    rows.append(_memory_row(applied or {}))
     return rows, network
+
+
+# The report's row for the run's memory budget: what bounds it, never a confinement gap.
+MEMORY_ROW = "memory"
+
+
+def _memory_row(applied: Mapping[str, Any]) -> MechanismReport:
+    memory = applied.get("memory") or {}
+    if memory.get("cgroup"):
+        pids = f", pids.max {memory['pids']}" if memory.get("pids") else ""
+        return MechanismReport(
+            MEMORY_ROW,
+            Enforcement.FULL,
+            f"cgroup {_mib(memory.get('budget'))} for the whole run (memory.max of "
+            f"{memory['cgroup']}: its processes and their tmpfs pages; no swap{pids})",
+        )
+    parts = [f"tmpfs sizes sum to {_mib(memory['tmpfs'])}"] if memory.get("tmpfs") else []
+    if memory.get("rlimit_data"):
+        parts.append(f"per-process RLIMIT_DATA {_mib(memory['rlimit_data'])}")
+    parts.append(f"no cgroup: {memory.get('why') or 'not reported by the launcher'}")
+    return MechanismReport(MEMORY_ROW, Enforcement.PARTIAL, "; ".join(parts))
+
+
+def _mib(size: object) -> str:
+    return f"{int(size) / (1 << 20):.0f} MiB" if isinstance(size, int) else "unknown"
 
 
 def _capture_row(applied: Mapping[str, Any], off: str, served: bool) -> MechanismReport:
