@@ -193,7 +193,7 @@ def test_the_child_gets_one_new_pty_on_every_terminal_fd(term: Terminal) -> None
 def test_output_reaches_our_terminal_unchanged_and_feeds_the_tail(term: Terminal) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     relay, child = _relay((null, term.slave, term.slave))
-    sent = b"one\ntwo\r\n\x1b[31mred\x1b[0m\x00\xff"
+    sent = "one\ntwo\r\n\x1b[31mred\x1b[0m\x00 é€".encode()
     try:
         os.write(child, sent)
         assert _read_exactly(term.master, len(sent)) == sent  # the slave adds no \r
@@ -202,12 +202,33 @@ def test_output_reaches_our_terminal_unchanged_and_feeds_the_tail(term: Terminal
         tail = relay.finish()
         os.close(null)
     assert tail == sent
+    assert relay.dropped() == {}
+
+
+def test_what_reaches_beyond_the_screen_never_reaches_our_terminal(term: Terminal) -> None:
+    """The relay's filter (runner/vtfilter.py) between the pty and our terminal: a clipboard
+    write, a query the terminal would answer and a byte of no UTF-8 character stay out;
+    the tail keeps what the command wrote."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    relay, child = _relay((null, term.slave, term.slave))
+    sent = b"a\x1b]52;c;aGk=\x07b\x1b[6nc\xffd\x1b]0;t"
+    try:
+        os.write(child, sent)
+        assert _read_exactly(term.master, 4) == b"abcd"
+    finally:
+        os.close(child)
+        tail = relay.finish()
+        os.close(null)
+    assert tail == sent
+    assert relay.dropped() == {"clipboard": 1, "query": 1, "title": 1, "unterminated": 1}
 
 
 def test_the_tail_of_a_terminal_is_bounded(term: Terminal) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     relay, child = _relay((null, term.slave, term.slave))
-    data = random.Random(11).randbytes(TAIL_BYTES + 5000)
+    # Text (random bytes would be filtered: a terminal gets only what acts on its screen).
+    letters = b"abcdefghijklmnopqrstuvwxyz0123456789 \n"
+    data = bytes(random.Random(11).choices(letters, k=TAIL_BYTES + 5000))
     try:
         seen = bytearray()
         for start in range(0, len(data), 4096):

@@ -17,6 +17,15 @@ goes to our stdout (or stderr) and into the tail. A non-terminal stderr
 still goes through a StderrTee pipe feeding the same tail; a non-terminal
 stdin is never read here (the command reads it directly).
 
+What reaches a terminal of ours passes through a filter (runner/vtfilter.py): only
+sequences that act on the command's own screen get there; the clipboard, the title, the
+queries a terminal answers by typing, DCS and the other strings are dropped and counted
+(`dropped()`, for the run's report). The tail keeps the bytes as they came.
+
+While the relay holds our terminal raw, its output processing is off: egressbox's own
+lines written meanwhile end with CR LF (`terminal_line`), or the command's next line would
+start where ours ended.
+
 When the command has exited, `finish` waits at most DRAIN_TIMEOUT for the
 end of the stream: with a PID namespace the kernel has killed everything by
 then, but without one a daemonized grandchild may hold the pipe open, and
@@ -59,6 +68,16 @@ STD_STREAMS: tuple[int | None, int | None, int | None] = (0, 1, 2)
 _HUNG = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
+def _terminal_filter(fd: int) -> Any:
+    """A VtFilter for what goes to `fd` when it is a terminal (else None), in the
+    encoding of the caller's locale."""
+    if not os.isatty(fd):
+        return None
+    from egressbox.runner.vtfilter import VtFilter, utf8_locale
+
+    return VtFilter(utf8=utf8_locale())
+
+
 class Tail:
     """The last TAIL_BYTES the command wrote, fed by one or more copying threads."""
 
@@ -98,6 +117,7 @@ class StderrTee:
         self._stop = -1
         self._sink_ok = True
         self._started = False
+        self._filter = _terminal_filter(target_fd)
 
     @classmethod
     def open(cls, target_fd: int = 2, *, tail: Tail | None = None) -> StderrTee | None:
@@ -168,6 +188,10 @@ class StderrTee:
     def tail(self) -> bytes:
         return self._tail.get()
 
+    def dropped(self) -> dict[str, int]:
+        """Escape sequences kept from our terminal, by kind (runner/vtfilter.py)."""
+        return dict(self._filter.dropped) if self._filter is not None else {}
+
     def finish(self, timeout: float = DRAIN_TIMEOUT) -> bytes:
         """After the command exited: wait (bounded) for the end of the stream; the tail."""
         if self._started:
@@ -176,6 +200,8 @@ class StderrTee:
             self._started = False
             os.close(self._stop)
             os.close(self.read_fd)
+            if self._filter is not None:
+                self._filter.flush()  # a sequence left open is counted, never written
         return self.tail()
 
     # -- the thread ----------------------------------------------------------------------
@@ -213,7 +239,8 @@ class StderrTee:
         if not data:
             return False
         self._tail.add(data)
-        self._sink_ok = self._sink_ok and _write_all(self.target_fd, data)
+        shown = data if self._filter is None else self._filter.feed(data)
+        self._sink_ok = self._sink_ok and _write_all(self.target_fd, shown)
         return True
 
 
@@ -249,6 +276,7 @@ class TerminalRelay:
         # hold(): the caller's terminal belongs to a question for a moment (runner/ask.py).
         self._held = False
         self._step_lock = _thread.allocate_lock()  # one relay step, or a hold() waiting
+        self._filter: Any = None  # what reaches our terminal (set in _setup)
 
     @classmethod
     def open(
@@ -278,6 +306,7 @@ class TerminalRelay:
         self.raw = self.in_fd is not None and 1 in self.terminals and _foreground(self.in_fd)
         self._configure_slave()
         self.resize()
+        self._filter = _terminal_filter(self.out_fd)
         if self._stderr_fd is not None:
             self.stderr = StderrTee.open(self._stderr_fd, tail=self._tail)
 
@@ -362,6 +391,13 @@ class TerminalRelay:
     def tail(self) -> bytes:
         return self._tail.get()
 
+    def dropped(self) -> dict[str, int]:
+        """Escape sequences kept from our terminal, by kind (the stderr pipe's too)."""
+        counts = dict(self._filter.dropped) if self._filter is not None else {}
+        for kind, count in (self.stderr.dropped() if self.stderr is not None else {}).items():
+            counts[kind] = counts.get(kind, 0) + count
+        return counts
+
     def hold(self) -> None:
         """Copy nothing either way until release(): the command's output waits in its pty
         and what is typed stays in our terminal (a question is asked there meanwhile).
@@ -384,6 +420,8 @@ class TerminalRelay:
         if self._started and _join(self._done, self._stop, timeout):
             self._started = False
             self._close()
+            if self._filter is not None:
+                self._filter.flush()  # a sequence left open is counted, never written
         self._restore()
         if self.raw:
             import atexit
@@ -488,7 +526,8 @@ class TerminalRelay:
             return False
         # The tail first: whoever reads our copy may look at the tail right after.
         self._tail.add(data)
-        self._sink_ok = self._sink_ok and _write_all(self.out_fd, data)
+        shown = data if self._filter is None else self._filter.feed(data)
+        self._sink_ok = self._sink_ok and _write_all(self.out_fd, shown)
         return True
 
     def _take_input(self, events: int) -> bool:
@@ -563,6 +602,32 @@ def open_stdio(*, capture_output: bool = False) -> StderrTee | TerminalRelay | N
     if capture_output:
         return TerminalRelay.open((0, None, None))
     return TerminalRelay.open() or StderrTee.open()
+
+
+def terminal_line(text: str, stream: Any) -> str:
+    """`text` as one line of ours on `stream`: control characters shown as \\xNN (a name or a
+    path in it may come from the command: never an escape sequence for our terminal), and
+    each line ended as the terminal needs it (line_end)."""
+    import re
+
+    end = line_end(stream)
+    shown = re.sub("[\x00-\x08\x0b-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", text)
+    return shown.replace("\n", end) + end
+
+
+def line_end(stream: Any) -> str:
+    """CR LF when `stream` is a terminal that does not turn LF into CR LF itself (a relay
+    holds it raw), else LF."""
+    import termios
+
+    try:
+        fd = stream.fileno()
+        if not os.isatty(fd):
+            return "\n"
+        oflag = termios.tcgetattr(fd)[1]
+    except (OSError, ValueError, AttributeError, termios.error):
+        return "\n"
+    return "\n" if oflag & termios.OPOST and oflag & termios.ONLCR else "\r\n"
 
 
 def _join(done: Any, stop: int, timeout: float) -> bool:

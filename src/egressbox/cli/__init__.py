@@ -349,7 +349,15 @@ def _add_run(sub: Subparsers) -> None:
         action="append",
         default=[],
         metavar="NAME[=VALUE]",
-        help="pass this variable (or set it) in the command's environment",
+        help="pass this variable (or set it) in the command's environment, also one that "
+        "--env inherited holds back as a credential (repeatable)",
+    )
+    p.add_argument(
+        "--env-remove",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="leave this variable of yours out of the command's environment (repeatable)",
     )
     p.add_argument(
         "--grant-file",

@@ -72,6 +72,9 @@ def _print_report(args: Any, result: RunResult) -> None:
         write_err(f"enforcement: {row.mechanism}: {row.enforcement.value} ({row.detail})")
     for root in result.roots:
         write_err(f"root: {root.kind}: {root.path} ({root.detail})")
+    if result.terminal_dropped:
+        kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(result.terminal_dropped.items()))
+        write_err(f"terminal: dropped escape sequences that reach beyond the screen: {kinds}")
     if getattr(args, "project_policy", False):
         write_err(f"policy: {args.policy} (the project root's, trusted: you ran with it)")
 
@@ -222,6 +225,7 @@ def _cli_options(
         log_allowed=getattr(args, "verbose", False),
         capture=not getattr(args, "no_capture", False),
         announce=not args.quiet,
+        env_remove=tuple(getattr(args, "env_remove", ())),
         review=getattr(args, "review", False),
         **asking,
         **chosen,

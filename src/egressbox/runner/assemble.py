@@ -20,6 +20,7 @@ from egressbox.confine.env import (
     PORT_TEMPLATES,
     Scratch,
     child_environment,
+    held_back,
     proxy_variables,
 )
 from egressbox.confine.executable import Executable, resolve_command
@@ -213,7 +214,11 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     warnings, layout, executable = start.warnings, start.layout, start.executable
     scratch = start.scratch
     files = Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
-    env, templates = _environment(options, base, scratch, profile)
+    env, templates = _environment(options, base, scratch, profile, layout.writable)
+    held = held_back(
+        base, policy=options.env_policy, grants=options.grants, remove=options.env_remove
+    )
+    warnings += [line for line in (held.notice(),) if line]
     deny = _credential_paths(home, env.get("HOME")) + tuple(
         os.path.normpath(expand_user(p, home)) for p in options.deny
     )
@@ -394,7 +399,11 @@ def _mechanisms(
 
 
 def _environment(
-    options: RunOptions, base: Mapping[str, str], scratch: Scratch | None, profile: Profile
+    options: RunOptions,
+    base: Mapping[str, str],
+    scratch: Scratch | None,
+    profile: Profile,
+    writable: tuple[str, ...] = (),
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The child's environment, and the proxy variables the launcher fills in."""
     env = child_environment(
@@ -404,6 +413,8 @@ def _environment(
         proxy=PORT_TEMPLATES,
         scratch=scratch,
         profile=profile.value,
+        remove=options.env_remove,
+        writable=writable,
     )
     templates = {name: env.pop(name) for name in proxy_variables(PORT_TEMPLATES)}
     if options.allow_loopback and not {"NO_PROXY", "no_proxy"} & set(options.grants):

@@ -73,6 +73,8 @@ class RunOptions(NamedTuple):
     read_roots: tuple[str, ...] = ()
     env_policy: EnvPolicy = EnvPolicy.INHERITED
     grants: Mapping[str, str | None] = MappingProxyType({})
+    # Variables of the caller's environment the command does not get (--env-remove NAME).
+    env_remove: tuple[str, ...] = ()
     allow_loopback: bool = False
     pass_fds: tuple[int, ...] = ()
     cwd: str | None = None
@@ -171,6 +173,9 @@ class RunResult:
     created_trusted: list[str] = field(default_factory=list)
     # What the run's on_miss allowed (for --save-approved: approval.save_approved).
     approved: list[Approved] = field(default_factory=list)
+    # Escape sequences the terminal relay kept from the caller's terminal, by kind
+    # (runner/vtfilter.py: clipboard, title, query...); counts only, never their contents.
+    terminal_dropped: dict[str, int] = field(default_factory=dict)
     # "staged" or "direct", and why when staging was asked for and not built.
     workspace: str = "direct"
     workspace_detail: str = ""
@@ -204,6 +209,7 @@ def options_for(
     process_write_roots: Sequence[str] = (),
     env: EnvPolicy | str | None = None,
     grants: Mapping[str, str | None] | None = None,
+    env_remove: Sequence[str] = (),
     allow_loopback: bool = False,
     pass_fds: Sequence[int] = (),
     cwd: str | None = None,
@@ -231,6 +237,7 @@ def options_for(
     return RunOptions(
         argv=tuple(cmd),
         policy=policy,
+        env_remove=tuple(env_remove),
         allow_loopback=allow_loopback,
         allow_direct_network=allow_direct_network,
         pass_fds=tuple(pass_fds),
@@ -323,5 +330,9 @@ def with_settings(
 
 
 def write_err(line: str) -> None:
-    sys.stderr.write(f"egressbox: {line}\n")
+    """One line of ours on stderr: control characters shown, never acted on (a path or a
+    name in it may come from the command); CR LF while the terminal is raw (stderr_tee)."""
+    from egressbox.stderr_tee import terminal_line
+
+    sys.stderr.write(terminal_line(f"egressbox: {line}", sys.stderr))
     sys.stderr.flush()
