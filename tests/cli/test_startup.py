@@ -104,9 +104,12 @@ print(json.dumps([code, seen]))
 @pytest.mark.parametrize("cache", ["cold", "warm"])
 def test_run_hands_its_plan_over_before_the_later_steps_load(tmp_path: Path, cache: str) -> None:
     # A cold cache: the first run on a machine probes the host (and loads more modules).
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    # egressbox's state beside the workspace, never inside it (run refuses that).
+    env = {**os.environ, "EGRESSBOX_STATE_DIR": str(tmp_path / "state")}
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
     for _ in range(1 if cache == "cold" else 2):
-        done = _python(HANDOVER_PROBE, str(POLICY), json.dumps(LATER), cwd=tmp_path, env=env)
+        done = _python(HANDOVER_PROBE, str(POLICY), json.dumps(LATER), cwd=workspace, env=env)
     assert done.returncode == 0, done.stderr
     code, seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert code == 0, done.stderr

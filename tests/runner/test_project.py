@@ -159,7 +159,7 @@ def test_an_alternate_that_is_no_object_store_is_not_granted(tmp_path: Path) -> 
 def test_a_project_policy_is_trusted_once_used_and_until_it_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("EGRESSBOX_STATE_DIR", str(tmp_path / "state"))
     policy = tmp_path / "egressbox.toml"
     policy.write_text('[egress]\nallow = ["pypi.org:443"]\n', encoding="utf-8")
     assert not is_trusted(str(policy))
