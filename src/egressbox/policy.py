@@ -81,7 +81,7 @@ class ProcessSettings(NamedTuple):
     rlimit_nofile: int | None = None
     rlimit_as: int | None = None
     max_processes: int | None = None  # tasks in the child's PID namespace
-    max_memory: int | None = None  # bytes of data per process (RLIMIT_DATA)
+    max_memory: int | None = None  # the run's memory budget, bytes (confine/cgroup.py)
 
 
 class FilesystemSettings(NamedTuple):
