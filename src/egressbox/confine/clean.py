@@ -30,7 +30,6 @@ found makes it UncleanableError too.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import re
@@ -403,7 +402,7 @@ def _toml_inline(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
-    if isinstance(value, str | float | datetime.date | datetime.time):
+    if isinstance(value, str | float) or hasattr(value, "isoformat"):  # dates and times
         return _toml_scalar(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_inline(v) for v in value) + "]"
@@ -413,12 +412,12 @@ def _toml_inline(value: object) -> str:
     raise UncleanableError(f"a TOML value of type {type(value).__name__}")
 
 
-def _toml_scalar(value: str | float | datetime.date | datetime.time) -> str:
+def _toml_scalar(value: object) -> str:
     if isinstance(value, str):
         return _toml_string(value)
     if isinstance(value, float):
         return _toml_float(value)
-    return value.isoformat()
+    return str(value.isoformat())  # type: ignore[attr-defined]
 
 
 def _toml_float(value: float) -> str:
