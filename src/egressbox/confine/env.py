@@ -147,7 +147,7 @@ class HeldBack(NamedTuple):
         """The one stderr line that names them (None: nothing was held back)."""
         parts = []
         if self.credentials:
-            parts.append(f"{', '.join(self.credentials)} (they look like credentials)")
+            parts.append(f"{', '.join(self.credentials)} (credentials, by name or value)")
         if self.wrappers:
             parts.append(
                 f"{', '.join(self.wrappers)} (a compiler wrapper such as sccache reaches a "
