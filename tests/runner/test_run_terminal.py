@@ -354,3 +354,42 @@ def test_piped_stdin_reaches_the_child_byte_exact(box: Box, term: Terminal) -> N
     line = next(line for line in seen.splitlines() if line.startswith(b"digest:"))
     expected = f"digest: {len(data)} {hashlib.sha256(data).hexdigest()} [False, True, True]"
     assert line.decode().strip() == expected
+
+
+DENIED_CHILD = """
+    import urllib.request
+    print("ready", flush=True)
+    try:
+        urllib.request.urlopen("http://denied.example.invalid/", timeout=20)
+    except Exception:
+        pass
+    print("after", flush=True)
+"""
+
+
+def test_our_lines_keep_the_terminals_line_discipline_while_raw(box: Box, term: Terminal) -> None:
+    """A refusal line of ours, written while the relay holds the terminal raw, ends with
+    CR LF: the command's next line starts at the left margin, not where ours ended."""
+    argv = [*_egressbox(), "run", "--policy", str(DENY_ALL), "--"]
+    argv += [invoking_actor().python, "-c", textwrap.dedent(DENIED_CHILD)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SESSION_LEADER, "1", *argv],
+        stdin=term.slave,
+        stdout=term.slave,
+        stderr=term.slave,
+        env=box.env(),
+        cwd=box.workspace,
+        start_new_session=True,
+    )
+    try:
+        term.read_until(b"ready")
+        during = termios.tcgetattr(term.slave)
+        seen = term.read_to_exit(proc)
+    finally:
+        code = _finish(proc)
+    assert code == 0, seen
+    assert not during[1] & termios.OPOST, "the relay holds the terminal raw"
+    ours = [line for line in seen.split(b"\n") if b"egressbox: " in line and b"denied" in line]
+    assert ours, seen
+    assert all(line.endswith(b"\r") for line in ours), seen
+    assert b"\r\nafter\r\n" in seen, seen
