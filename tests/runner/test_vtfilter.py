@@ -217,11 +217,11 @@ FRAGMENTS = [*SAFE.values(), *(data for data, _ in UNSAFE.values())]
 FRAGMENTS += [ESC, CSI, b"\x1b]", b"\x1bP", b"\x07", ST, b"\x9b", b"\x9d", b"\xc2", b"\x18"]
 
 # The reference: what may reach the terminal, written from the module's docstring.
-_MODES = r"(?:1|5|6|7|9|12|25|47|66|69|100[0-7]|1015|1016|104[789]|2004|2026)"
+_MODES = r"0*(?:1|5|6|7|9|12|25|47|66|69|100[0234567]|1015|1016|104[789]|2004|2026)"
 _PASSING = re.compile(
     rb"(?:[^\x1b\x05]"  # text (C0 controls among a sequence's bytes were taken out)
     rb"|\x1b\[[0-9:;]*[@ABCDEFGHIJKLMPSXZ`abdefgmrs]|\x1b\[[0-9:]*T|\x1b\[u"
-    rb"|\x1b\[4(?:;4)*[hl]|\x1b\[\?" + _MODES.encode() + rb"(?:;" + _MODES.encode() + rb")*[hl]"
+    rb"|\x1b\[0*4(?:;0*4)*[hl]|\x1b\[\?" + _MODES.encode() + rb"(?:;" + _MODES.encode() + rb")*[hl]"
     rb"|\x1b\[\?[0-9:;]*[JK]|\x1b\[[0-9:;]* q|\x1b\[[0-9:;]*!p"
     rb"|\x1b[6789=>cDEFHMNOno|}~]|\x1b[()*+\-./][ -/]*[0-~]|\x1b#[34568])*"
 )
