@@ -51,7 +51,10 @@ class Box:
         return self.outside / "fsmonitor-ran"
 
     def run(self, argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-        env = self.actor.base_env(self.outside) | {"XDG_STATE_HOME": str(self.state)}
+        env = self.actor.base_env(self.outside) | {
+            "XDG_STATE_HOME": str(self.state),
+            "EGRESSBOX_STATE_DIR": str(self.state / "egressbox"),
+        }
         for name in ("EGRESSBOX_PURE", "PYTHONPATH"):  # the sources this test imports
             if name in os.environ and not self.actor.runuser:
                 env[name] = os.environ[name]
@@ -68,8 +71,9 @@ class Box:
         )
 
     def egressbox(self, script: str, *args: str) -> subprocess.CompletedProcess[str]:
-        """`egressbox run --write-root WORKSPACE ARGS -- sh -c SCRIPT`."""
-        argv = [*self.actor.egressbox, "run", "--quiet", "--write-root", str(self.workspace)]
+        """`egressbox run --workspace direct --write-root WORKSPACE ARGS -- sh -c SCRIPT`."""
+        argv = [*self.actor.egressbox, "run", "--quiet", "--workspace", "direct"]
+        argv += ["--write-root", str(self.workspace)]
         return self.run([*argv, *args, "--", "sh", "-c", textwrap.dedent(script)])
 
     def git(self, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

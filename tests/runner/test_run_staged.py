@@ -19,13 +19,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_run_workflows import GIT, Dev, _explain, _needs, dev
+
+from dev_fixtures import GIT, Dev, _explain, _needs, dev
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),
     pytest.mark.timeout(900),
 ]
-__all__ = ["dev"]  # the fixture, shared with the workflow tests
+__all__ = ["dev"]  # the fixture (tests/dev_fixtures.py), used by pytest by name
 
 GIT_ID = "git -c user.email=t@example.invalid -c user.name=t"
 
@@ -50,7 +51,7 @@ def _state(dev: Dev) -> dict[str, str]:
     if not state.exists():
         state.mkdir()
         dev.actor.own(state, 0o700)
-    env = {"XDG_STATE_HOME": str(state)}
+    env = {"XDG_STATE_HOME": str(state), "EGRESSBOX_STATE_DIR": str(state / "egressbox")}
     if os.environ.get("EGRESSBOX_TEST_PYTHONPATH"):  # a copy of the sources under test
         env["PYTHONPATH"] = os.environ["EGRESSBOX_TEST_PYTHONPATH"]
     return env

@@ -18,115 +18,35 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import stat
-import subprocess
 import sys
 import tarfile
 import textwrap
 import zipfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from unprivileged import BASE_DIR, Actor
+from dev_fixtures import (
+    CARGO,
+    FOREIGN,
+    GIT,
+    GO,
+    IDENTITY,
+    MAKE,
+    NPM,
+    Dev,
+    _explain,
+    _needs,
+    dev,
+)
+
+__all__ = ["dev"]  # the fixture (tests/dev_fixtures.py), used by pytest by name
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="egressbox run confines on Linux only"),
     pytest.mark.timeout(900),
 ]
-
-RUN_TIMEOUT = 300.0
-IDENTITY = ("-c", "user.email=t@example.invalid", "-c", "user.name=t")
-GO = shutil.which("go")
-NPM = shutil.which("npm")
-GIT = shutil.which("git")
-MAKE = shutil.which("make")
-CARGO = shutil.which("cargo")
-# The command's own error output, in a locale that is not English (for the locale test).
-FOREIGN = "de_DE.UTF-8"
-
-
-@dataclass
-class Dev:
-    """One actor's home and a directory for its projects (both its own, under /tmp)."""
-
-    actor: Actor
-    home: Path
-    base: Path
-
-    def env(self, **extra: str) -> dict[str, str]:
-        env = self.actor.base_env(self.home)
-        # The compiled core may be older than the sources under test; children test what the
-        # test process tests.
-        if os.environ.get("EGRESSBOX_PURE"):
-            env["EGRESSBOX_PURE"] = os.environ["EGRESSBOX_PURE"]
-        return env | extra
-
-    def run(
-        self, argv: list[str], cwd: Path, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        command, environment = self.actor.command(argv, env or self.env())
-        return subprocess.run(
-            command,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            env=environment,
-            cwd=cwd,
-            timeout=RUN_TIMEOUT,
-            check=False,
-        )
-
-    def egressbox(
-        self, cwd: Path, *args: str, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        """`egressbox run ARGS` from `cwd` (no --write-root: the project root is the default)."""
-        return self.run([*self.actor.egressbox, "run", *args], cwd, env)
-
-    def project(self, name: str, marker: str = ".git") -> Path:
-        """A project directory: a git repository, one with an egressbox.toml, or a plain one
-        ("": the working directory is then the workspace)."""
-        root = self.base / name
-        root.mkdir()
-        self.actor.own(root, 0o755)
-        if marker == ".git":
-            self.git(root, "init", "-q", "-b", "main")
-        elif marker:
-            (root / marker).write_text("[egress]\nallow = []\n", encoding="utf-8")
-        self.own_tree(root)
-        return root
-
-    def git(self, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        assert GIT is not None
-        done = self.run([GIT, *IDENTITY, *args], cwd)
-        assert done.returncode == 0, _explain(done)
-        return done
-
-    def own_tree(self, root: Path) -> None:
-        for path in (root, *root.rglob("*")):
-            if not path.is_symlink():
-                os.chown(path, self.actor.uid, self.actor.gid)
-
-
-@pytest.fixture
-def dev(actor: Actor) -> Iterator[Dev]:
-    # The home directory outside /tmp, as a real one is: the child's /tmp is private, so a
-    # cache pointed there would vanish with the run rather than be refused.
-    BASE_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
-    home = actor.make_dir(BASE_DIR, "dev-home-")
-    base = actor.make_dir("/tmp", "egressbox-dev-work-")
-    try:
-        yield Dev(actor, home, base)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def _explain(done: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {done.returncode}\nstdout: {done.stdout[-3000:]}\nstderr: {done.stderr[-4000:]}"
 
 
 def _listing(root: Path) -> dict[str, tuple[int, int]]:
@@ -140,11 +60,6 @@ def _listing(root: Path) -> dict[str, tuple[int, int]]:
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _needs(tool: str | None, name: str) -> None:
-    if tool is None:
-        pytest.skip(f"{name} is not installed")
 
 
 # -- the project root -----------------------------------------------------------------------
@@ -221,15 +136,14 @@ def test_the_projects_policy_is_used_once_trusted_and_never_when_a_command_wrote
     assert done.returncode == 0, _explain(done)
     assert f"policy: {policy} (the project root's" in done.stderr, _explain(done)
     assert "no policy" not in done.stderr, _explain(done)
-    # A command plants a policy of its own deeper down: the next run from there refuses it.
+    # A command plants a policy of its own deeper down. Staged (the default), the gate holds
+    # it back; written live (direct), the next run from there refuses it.
     planted = root / "sub" / "egressbox.toml"
-    done = dev.egressbox(
-        root / "sub",
-        "--",
-        "sh",
-        "-c",
-        f"printf '[egress]\\nallow = [\"*.example\"]\\n' > {planted}",
-    )
+    plant = f"printf '[egress]\\nallow = [\"*.example\"]\\n' > {planted}"
+    done = dev.egressbox(root / "sub", "--", "sh", "-c", plant)
+    assert done.returncode == 0 and not planted.exists(), _explain(done)
+    assert "(egressbox_own)" in done.stderr, _explain(done)
+    done = dev.egressbox(root / "sub", "--workspace", "direct", "--", "sh", "-c", plant)
     assert done.returncode == 0 and planted.exists(), _explain(done)
     done = dev.egressbox(root / "sub", "--", "true")
     assert done.returncode == 2, _explain(done)
@@ -584,8 +498,12 @@ def test_a_worktree_whose_git_file_was_rewritten_gets_nothing_more(dev: Dev) -> 
     worktree = dev.base / "wt"
     dev.git(main, "worktree", "add", "-q", str(worktree))
     target = dev.actor.make_dir(dev.base, "precious-")
-    # The .git file is host-trusted: a command cannot point the next run elsewhere.
-    done = dev.egressbox(worktree, "--", "sh", "-c", f"echo 'gitdir: {target}' > .git; cat .git")
+    # The .git file is host-trusted: a command cannot point the next run elsewhere. Staged,
+    # its change is held back at the gate; direct, the file is read-only.
+    script = f"echo 'gitdir: {target}' > .git; cat .git"
+    done = dev.egressbox(worktree, "--", "sh", "-c", script)
+    assert "(git_replaced)" in done.stderr, _explain(done)
+    done = dev.egressbox(worktree, "--workspace", "direct", "--", "sh", "-c", script)
     assert "Read-only file system" in done.stderr, _explain(done)
     assert (worktree / ".git").read_text().startswith("gitdir: ") and str(target) not in (
         worktree / ".git"

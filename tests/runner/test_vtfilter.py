@@ -114,7 +114,9 @@ UNSAFE = {
 }
 
 
-def run(data: bytes, *, utf8: bool = True, cut: list[int] | None = None) -> tuple[bytes, dict]:
+def run(
+    data: bytes, *, utf8: bool = True, cut: list[int] | None = None
+) -> tuple[bytes, dict[str, int]]:
     """The filter's output for `data` (cut at the offsets in `cut`), then its counts."""
     vt = VtFilter(utf8=utf8)
     pieces, last = [], 0

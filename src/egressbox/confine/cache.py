@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from collections.abc import Mapping
 
 from egressbox.held import HeldDir
 
@@ -36,16 +37,20 @@ ROOT_DIRECTORY = "/var/lib/egressbox"
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 
 
-def directory() -> str:
-    """Where egressbox keeps its state for this user (see the module's doc)."""
-    given = os.environ.get(STATE_ENV, "")
+def directory(env: Mapping[str, str] | None = None) -> str:
+    """Where egressbox keeps its state for this user (see the module's doc): the one place
+    for the probe cache, the staged workspaces' layers and what a direct run moved aside.
+    `env` is the environment to read (this process's by default)."""
+    env = os.environ if env is None else env
+    given = env.get(STATE_ENV, "")
     if os.path.isabs(given):
         return os.path.normpath(given)
     if os.geteuid() == 0:
         return ROOT_DIRECTORY
-    state = os.environ.get("XDG_STATE_HOME", "")
+    state = env.get("XDG_STATE_HOME", "")
     if not os.path.isabs(state):
-        state = os.path.join(os.path.expanduser("~"), ".local", "state")
+        home = env.get("HOME") or os.path.expanduser("~")
+        state = os.path.join(home, ".local", "state")
     return os.path.join(state, "egressbox")
 
 

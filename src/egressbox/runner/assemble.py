@@ -329,7 +329,7 @@ def _finish(
     prepared.cleanup = start.cleanup
     layout = roots.layout
     prepared.read_only_workspaces = layout.workspaces if layout.read_only else ()
-    prepared.guard = _guard(options, layout, roots, trusted, home)
+    prepared.guard = _guard(options, layout, roots, trusted, home, staged=staged)
     prepared.stage = staged.stage
     prepared.workspace, prepared.workspace_detail = staged.mode, staged.detail
     return prepared
@@ -764,16 +764,30 @@ GIT_CONTROL_FILES = (".git/commondir", ".git/config.worktree")
 
 
 def _guard(
-    options: RunOptions, layout: Layout, roots: _Roots, trusted: Sequence[str], home: str
+    options: RunOptions,
+    layout: Layout,
+    roots: _Roots,
+    trusted: Sequence[str],
+    home: str,
+    *,
+    staged: _Staged,
 ) -> Guard:
-    """The snapshot of what the host trusts in the writable roots, taken before the child."""
+    """The snapshot of what the host trusts in the writable roots the command writes live,
+    taken before the child. A staged root needs none: its changes pass the gate at exit."""
     writable = tuple(os.path.realpath(p) for p in (*layout.writable, *roots.process_write))
+    if staged.stage is not None:
+        done = {target.path for target in staged.stage.targets}
+        writable = tuple(w for w in writable if w not in done)
+        trusted = [t for t in trusted if not any(is_under(t, d) for d in done)]
+        layout_workspaces: tuple[str, ...] = ()
+    else:
+        layout_workspaces = () if layout.read_only else layout.workspaces
     files = (*options.trusted_files, *([options.policy.source] if options.policy else []))
     host_files = [os.path.realpath(expand_user(p, home)) for p in files if p]
     return snapshot(
         writable,
         trusted,
-        workspaces=() if layout.read_only else layout.workspaces,
+        workspaces=layout_workspaces,
         grows=_appended_by_us(
             (*host_files, *(s for f in host_files for s in _rotated_siblings(f)))
         ),

@@ -1,7 +1,7 @@
 """A run's staged layer in egressbox's state directory: made before the child starts, applied
 through the gate (confine/staging.py) after it exits, kept for `egressbox changes|apply|discard`.
 
-    $XDG_STATE_HOME/egressbox/layers/RUN/     (default ~/.local/state; every level 0700)
+    STATE/layers/RUN/     (STATE: egressbox's state directory, confine/cache.py; 0700)
         meta.json   the roots (path, device, inode, rules), the command, the working directory
         state       running | pending | applying | held | failed
         journal     the temporary copy in flight during an apply (confine/staging.py)
@@ -20,10 +20,10 @@ import json
 import os
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from egressbox.confine import staging
+from egressbox.confine import cache, staging
 from egressbox.confine.plan import is_under
 from egressbox.errors import EgressboxError
 
@@ -39,11 +39,9 @@ class LayerError(EgressboxError):
     """A layer cannot be made, found or applied; the message says why and what to do."""
 
 
-def state_home(env: dict[str, str] | None = None) -> str:
-    env = dict(os.environ) if env is None else env
-    home = env.get("HOME") or os.path.expanduser("~")
-    base = env.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state")
-    return os.path.join(base, "egressbox")
+def state_home(env: Mapping[str, str] | None = None) -> str:
+    """egressbox's state directory (confine/cache.py decides where), which holds layers/."""
+    return cache.directory(env)
 
 
 class Root(NamedTuple):
@@ -185,7 +183,7 @@ def create(
         if inside:
             raise LayerError(
                 f"egressbox's state directory {path} is inside the write root {inside[0]}, "
-                "where the command could reach its layers: set XDG_STATE_HOME to a directory "
+                "where the command could reach its layers: set EGRESSBOX_STATE_DIR to a directory "
                 "outside every root, or pass --workspace direct"
             )
         run = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{os.getpid()}"

@@ -33,6 +33,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from egressbox.confine import cache
+
 # A copy is kept of each protected file up to this size (configs and hooks are a few KiB; git's
 # sample hooks are under 5 KiB). A larger one is hashed and, when changed, moved aside only.
 FILE_COPY_MAX = 1 << 20
@@ -188,10 +190,8 @@ def snapshot(
 
 
 def default_state_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".local", "state"
-    )
-    return os.path.join(base, "egressbox", STATE_SUBDIR)
+    """Where moved-aside paths go: under egressbox's state directory (confine/cache.py)."""
+    return os.path.join(cache.directory(), STATE_SUBDIR)
 
 
 def _open_state(path: str) -> int | None:
