@@ -348,7 +348,8 @@ def test_capture_is_planned_where_the_host_allows_it(tmp_path: Path) -> None:
     prepared = _planned(tmp_path, NAMESPACES | {"capture"})
     assert prepared.plan.capture and prepared.capture_off == ""
     assert prepared.plan.world is not None
-    assert prepared.plan.world.files == CAPTURE_FILES
+    # The capture files, besides the clean copies of tools' configuration (confine/clean.py).
+    assert set(CAPTURE_FILES) <= set(prepared.plan.world.files)
     rows = {row.mechanism: row for row in prepared.report}
     assert rows["capture"].enforcement.value == "full"
 
@@ -368,7 +369,8 @@ def test_capture_off_is_said_not_refused(
     assert not prepared.plan.capture
     assert why in prepared.capture_off
     if prepared.plan.world is not None:
-        assert prepared.plan.world.files == ()
+        capture_paths = {path for path, _ in CAPTURE_FILES}
+        assert not capture_paths & {path for path, _ in prepared.plan.world.files}
     rows = {row.mechanism: row for row in prepared.report}
     assert rows["capture"].enforcement.value == "none"
     assert why in rows["capture"].detail

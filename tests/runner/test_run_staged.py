@@ -93,16 +93,25 @@ def test_a_renamed_git_with_fsmonitor_is_held_and_host_git_runs_nothing(dev: Dev
     assert done.returncode == 0, _explain(done)
     assert (root / ".git" / "config").read_bytes() == config
     assert not (root / ".git" / "commondir").exists()
-    assert not (root / "sub" / ".git").exists()
-    _host_git_status_runs_nothing(dev, root, marker)
+    # The nested repository lands as data: what git would run or follow in it is held.
+    assert (root / "sub" / ".git" / "HEAD").is_file()
+    assert not (root / "sub" / ".git" / "config").exists()
+    assert not (root / "sub" / ".git" / "hooks").exists()
+    _host_git_status_runs_nothing(dev, root, marker)  # in the nested repository too
     assert f"held back: {root}/.git (git_replaced)" in done.stderr, _explain(done)
-    assert f"held back: {root}/sub/.git (new_git_entry)" in done.stderr, _explain(done)
+    assert f"held back: {root}/sub/.git/config (git_control)" in done.stderr, _explain(done)
+    assert f"held back: {root}/sub/.git/hooks (git_control)" in done.stderr, _explain(done)
     assert "egressbox apply " in done.stderr
     # The layer keeps what was held; discard drops it.
     listed = _eb(dev, root, "changes", "--json")
     assert listed.returncode == 0, _explain(listed)
     held = {c["path"]: c["held"] for c in json.loads(listed.stdout)["changes"] if "held" in c}
-    assert held == {f"{root}/.git": "git_replaced", f"{root}/sub/.git": "new_git_entry"}
+    assert held == {
+        f"{root}/.git": "git_replaced",
+        f"{root}/sub/.git/config": "git_control",
+        f"{root}/sub/.git/hooks": "git_control",
+        f"{root}/sub/.git/info": "git_control",
+    }
     assert _eb(dev, root, "discard").returncode == 0
     assert _eb(dev, root, "changes").returncode != 0
 

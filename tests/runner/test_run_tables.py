@@ -139,8 +139,8 @@ def test_filesystem_write_roots_apply_without_write_root(box: Box, tmp_path: Pat
 
 def test_env_isolated_drops_a_planted_variable(box: Box) -> None:
     policy = box.write_policy('[env]\npolicy = "isolated"\ngrant = ["GIVEN=yes"]\n')
-    env = box.env(PLANTED_SECRET="s3cret")
-    script = 'echo "${PLANTED_SECRET-unset} ${GIVEN-unset}"'
+    env = box.env(PLANTED_VALUE="s3cret")
+    script = 'echo "${PLANTED_VALUE-unset} ${GIVEN-unset}"'
     done = box.run("--policy", policy, "--", "/bin/sh", "-c", script, env=env)
     assert done.returncode == 0, _explain(done)
     assert done.stdout == b"unset yes\n", _explain(done)

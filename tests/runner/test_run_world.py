@@ -140,11 +140,13 @@ def test_metadata_of_files_outside_the_write_roots_never_changes(
 # -- 2. state the host trusts later -------------------------------------------------------
 
 
-def test_egressbox_caches_in_the_workspace_stay_the_hosts(world: World) -> None:
-    # The workspace is HOME, so egressbox's caches live inside it.
+def test_egressbox_caches_stay_the_hosts(world: World) -> None:
+    # The workspace is HOME; egressbox's state (the probe cache) lives where no plan grants:
+    # /var/lib/egressbox for root, the test user's own state directory otherwise
+    # (confine/cache.py). The child aims at it by its real path.
     first = world.egressbox("--", "true")
     assert first.returncode == 0, _explain(first)
-    cache = world.workspace / ".cache" / "egressbox"
+    cache = world.actor.state_dir() if world.actor.runuser else Path("/var/lib/egressbox")
     files = sorted(p for p in cache.iterdir() if p.is_file())
     assert files, "the first run cached nothing"
     before = {p: _snapshot(p) for p in files}
@@ -201,7 +203,8 @@ def test_a_symlink_left_in_the_scratch_space_leads_nowhere(world: World) -> None
         shutil.rmtree(".egressbox", ignore_errors=True)
         os.symlink({str(world.outside)!r}, ".egressbox")
     """
-    done = world.python(plant)
+    # Written live (direct): staged, the link would be the layer's, never the host's.
+    done = world.python(plant, "--workspace", "direct")
     assert done.returncode == 0, _explain(done)
     assert (world.workspace / ".egressbox").is_symlink(), "the child could not plant the link"
     again = world.egressbox("--", "true")
@@ -242,8 +245,14 @@ def test_host_trusted_files_in_the_workspace_are_read_only(world: World) -> None
     assert (world.workspace / "ordinary.txt").read_text(encoding="utf-8") == "fine"
 
 
-def test_a_trusted_file_the_command_creates_is_moved_aside(world: World) -> None:
+def test_a_trusted_file_the_command_creates_is_held_or_moved_aside(world: World) -> None:
+    # Staged (the default): held back at the gate, the command's own exit code kept.
     done = world.egressbox("--", "sh", "-c", "echo 'echo hi' > .envrc")
+    assert done.returncode == 0, _explain(done)
+    assert f"held back: {world.workspace / '.envrc'} (direnv)" in done.stderr, _explain(done)
+    assert not (world.workspace / ".envrc").exists()
+    # Direct: written live, then moved aside after the run, loudly, with a code of its own.
+    done = world.egressbox("--workspace", "direct", "--", "sh", "-c", "echo 'echo hi' > .envrc")
     assert done.returncode == 125, _explain(done)  # exitcodes.EXIT_TAMPERED
     assert f"the command made {world.workspace / '.envrc'}" in done.stderr, _explain(done)
     assert not (world.workspace / ".envrc").exists()

@@ -232,7 +232,11 @@ def _git_entry(
     """A new, deleted or replaced .git, or what takes git control files with it."""
     if full[-1:] == (".git",):
         if host_kind is None:
-            return "new_git_entry"  # a repository of its own to every git command run there
+            # A new repository (git clone, git init): its data (objects, refs, HEAD, index) is
+            # applied and whatever git would run or follow inside it (config, hooks, info,
+            # commondir...) is held by the table, so the host's git runs nothing it wrote. A
+            # .git file or link would send git elsewhere whole: held.
+            return None if kind in (DIR, OPAQUE) else "new_git_entry"
         if replaced or kind in (FILE, SYMLINK):
             return "git_replaced"
         return None

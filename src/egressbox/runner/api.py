@@ -24,6 +24,7 @@ from egressbox.runner.supervise import (
     _make_proxy,
     _result,
     _supervise,
+    clean_up,
     supervise,
 )
 
@@ -42,6 +43,13 @@ def _warn(prepared: Prepared) -> None:
         write_err(f"warning: {text}")
 
 
+def _never_ran(prepared: Prepared) -> None:
+    """The command never started: its layer goes, the snapshot's descriptors close."""
+    stage, prepared.stage = prepared.stage, None
+    abandon(stage)
+    clean_up(prepared)
+
+
 def _start(
     options: RunOptions, facts: HostFacts | None, capture_output: bool
 ) -> tuple[Prepared, Launched]:
@@ -50,7 +58,7 @@ def _start(
     try:
         launched = spawn(prepared, capture_output=capture_output)
     except BaseException:
-        abandon(prepared.stage)
+        _never_ran(prepared)
         raise
     launched.go()
     launched.start_timer(options.timeout)
@@ -77,14 +85,14 @@ def run_options_sync(
     try:
         launched = spawn(prepared, capture_output=capture_output)
     except BaseException:
-        abandon(prepared.stage)
+        _never_ran(prepared)
         raise
     if policy_loader is not None:
         try:
             options = options._replace(policy=policy_loader())
         except BaseException:
             launched.abandon()
-            abandon(prepared.stage)
+            _never_ran(prepared)
             raise
     launched.go()
     launched.start_timer(options.timeout)
@@ -218,7 +226,7 @@ async def spawn_confined(
     options = options_for(cmd, policy=policy, **kwargs)
     loop = asyncio.get_running_loop()  # before the fork: no loop, no run
     prepared, launched = _start(options, None, capture_output)
-    hold = _Hold(launched)
+    hold = _Hold(launched, prepared=prepared)
     try:
         proxy = _make_proxy(launched, options, audit=audit)
     except BaseException:

@@ -248,8 +248,11 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     warnings += _denied_roots(roots, fs)
     _refuse_own_state(fs.write, chosen, files=files, own=_own_files(options, home))
     copies: tuple[tuple[str, str], ...] = ()
+    notes: list[str] = []
     if files:
-        fs, copies = _clean_copies(fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen, warnings)
+        fs, copies = _clean_copies(
+            fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen, warnings, notes
+        )
     capture_off = _capture_off(options, chosen, facts)
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
     plan = _launch_plan(
@@ -277,7 +280,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     try:
         if Mechanism.SECCOMP in chosen:
             plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
-        return _finish(
+        prepared = _finish(
             options,
             start,
             plan,
@@ -292,6 +295,9 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     except BaseException:
         abandon(staged.stage)
         raise
+    if options.announce:
+        prepared.announcements += notes
+    return prepared
 
 
 def _finish(
@@ -910,8 +916,13 @@ def _outside(paths: Sequence[str], roots: Sequence[str]) -> tuple[str, ...]:
     return tuple(p for p in paths if not any(is_under(p, r) for r in roots))
 
 
-def _clean_copies(
-    fs: FsPlan, home: str, passed: Sequence[str], mounts: bool, warnings: list[str]
+def _clean_copies(  # noqa: PLR0917 (the plan's parts in, its warnings and notes out)
+    fs: FsPlan,
+    home: str,
+    passed: Sequence[str],
+    mounts: bool,
+    warnings: list[str],
+    notes: list[str],
 ) -> tuple[FsPlan, tuple[tuple[str, str], ...]]:
     """The tools' configuration files in view, as clean copies (confine/clean.py).
 
@@ -943,7 +954,9 @@ def _clean_copies(
                 f"have): {names}; --grant-file PATH passes one as it is"
             )
         return fs, ()
-    warnings += [f"granted as a clean copy: {what}" for what in copies.cleaned]
+    # What a copy left out is said like a widened root: before the command, not under --quiet
+    # (a credential helper in /etc/gitconfig is common and needs no action).
+    notes += [f"granted as a clean copy: {what}" for what in copies.cleaned]
     return fs, copies.files
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from egressbox.confine import staging
 from egressbox.confine.plan import Enforcement, is_under
 from egressbox.runner import layers
 from egressbox.runner.options import MechanismReport, RunResult
-
-if TYPE_CHECKING:
-    from egressbox.runner.assemble import Prepared
 
 STAGED, DIRECT = "staged", "direct"
 NO_MOUNTS = (
@@ -93,7 +90,15 @@ def abandon(stage_: Stage | None) -> None:
         layers.discard(stage_.layer)
 
 
-def finish(prepared: Prepared, result: RunResult) -> None:
+class Staging(Protocol):
+    """What finish() reads of a prepared run (runner/assemble.py's Prepared has it)."""
+
+    workspace: str
+    workspace_detail: str
+    stage: Stage | None
+
+
+def finish(prepared: Staging, result: RunResult) -> None:
     """Apply the run's layer to the host (or keep it, --review) and record what happened."""
     result.workspace, result.workspace_detail = prepared.workspace, prepared.workspace_detail
     stage_ = prepared.stage

@@ -33,6 +33,9 @@ STATE = "state"
 LOCK = "lock"
 RUNNING, PENDING, APPLYING, HELD, FAILED = "running", "pending", "applying", "held", "failed"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Runs one process may start within one second (a library caller's loop): each gets its own
+# layer directory, named by a serial after the first.
+_MAX_RUNS_PER_SECOND = 1000
 
 
 class LayerError(EgressboxError):
@@ -116,6 +119,20 @@ def _write(dir_fd: int, name: str, text: str) -> None:
     os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
+def _new_run(top: int) -> tuple[str, int]:
+    """A fresh run directory: its name sorts by time and is unique even for several runs of
+    one process in the same second (the library), since mkdir refuses a name that exists."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{os.getpid()}"
+    for serial in range(_MAX_RUNS_PER_SECOND):
+        run = stamp if serial == 0 else f"{stamp}-{serial}"
+        try:
+            os.mkdir(run, 0o700, dir_fd=top)
+        except FileExistsError:
+            continue
+        return run, _subdir(top, run)
+    raise LayerError(f"more than {_MAX_RUNS_PER_SECOND} runs of one process in one second")
+
+
 def _subdir(parent: int, name: str) -> int:
     """parent/name, made 0700 if missing, never through a symlink, ours and private."""
     with contextlib.suppress(FileExistsError):
@@ -186,8 +203,7 @@ def create(
                 "where the command could reach its layers: set EGRESSBOX_STATE_DIR to a directory "
                 "outside every root, or pass --workspace direct"
             )
-        run = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + f"-{os.getpid()}"
-        fd = _subdir(top, run)
+        run, fd = _new_run(top)
     finally:
         os.close(top)
     recorded = []

@@ -48,7 +48,7 @@ async def supervise(
     command's PID namespace with it) and reaped, the proxy closed and every
     descriptor of the run released; then the exception goes on.
     """
-    hold = _Hold(launched)
+    hold = _Hold(launched, prepared=prepared)
     try:
         hold.proxy = _make_proxy(launched, options, audit=audit, log=log)
     except BaseException:
@@ -96,9 +96,15 @@ def _make_proxy(
 class _Hold:
     """What a run holds until it ends; let go of once, whatever ends it."""
 
-    def __init__(self, launched: Launched, proxy: EgressProxy | None = None) -> None:
+    def __init__(
+        self,
+        launched: Launched,
+        proxy: EgressProxy | None = None,
+        prepared: Prepared | None = None,
+    ) -> None:
         self.launched = launched
         self.proxy = proxy
+        self.prepared = prepared  # its layer and snapshot, settled however the run ends
         self.readers: list[_Collector] = []
         self.reaped = False
         self.released = False
@@ -146,6 +152,8 @@ class _Hold:
         if self.proxy is not None:
             self.proxy.abort()
         self.release()
+        if self.prepared is not None:
+            keep_unapplied(self.prepared)
 
     def after(self, task: Any) -> None:
         # A Task cancelled before its first step never ran _supervise's clean-up.
@@ -230,11 +238,7 @@ async def _supervise(hold: _Hold, prepared: Prepared) -> RunResult:
         raise
     except BaseException:
         hold.stop()
-        clean_up(prepared)
-        if prepared.stage is not None:
-            # Not applied: the layer stays, and the next run or `egressbox changes` names it.
-            prepared.stage.close()
-            prepared.stage = None
+        keep_unapplied(prepared)
         try:
             await proxy.close(0)
         finally:
@@ -633,6 +637,16 @@ def _syscall_name(kill: Any) -> str:
         name = ""
     number = f"{arch} system call {kill.syscall}"
     return f"{name} ({number})" if name else number
+
+
+def keep_unapplied(prepared: Prepared) -> None:
+    """A run that ended without its result (cancelled, failed, its loop closed): host-trusted
+    paths are put right and its layer is kept, not applied; the next run or `egressbox
+    changes` names it. Idempotent."""
+    clean_up(prepared)
+    if prepared.stage is not None:
+        stage, prepared.stage = prepared.stage, None
+        stage.close()
 
 
 def clean_up(prepared: Prepared) -> None:
