@@ -22,17 +22,17 @@ COMPILED = [
     "src/egressbox/protocols/http1.py",
     "src/egressbox/protocols/socks5.py",
     "src/egressbox/protocols/tls.py",  # the first bytes of every tunnel (the TLS name check)
-    "src/egressbox/hosts.py",
-    "src/egressbox/addresses.py",
-    "src/egressbox/audit.py",  # one record per decision, before the reply
-    "src/egressbox/rules.py",
-    "src/egressbox/decide.py",
-    "src/egressbox/egress.py",
-    "src/egressbox/deadlines.py",  # every connection arms three or four timeouts
-    "src/egressbox/eventloop.py",  # two transports a tunnel enter its table
-    "src/egressbox/dial.py",
-    "src/egressbox/relay.py",
-    "src/egressbox/sni.py",  # the first client bytes of every tunnel (the TLS name check)
+    "src/egressbox/core/hosts.py",
+    "src/egressbox/core/addresses.py",
+    "src/egressbox/audit/record.py",  # one record per decision, before the reply
+    "src/egressbox/core/rules.py",
+    "src/egressbox/core/decide.py",
+    "src/egressbox/proxy/check.py",
+    "src/egressbox/net/deadlines.py",  # every connection arms three or four timeouts
+    "src/egressbox/net/eventloop.py",  # two transports a tunnel enter its table
+    "src/egressbox/net/dial.py",
+    "src/egressbox/net/relay.py",
+    "src/egressbox/proxy/tls_check.py",  # the first client bytes of every tunnel (the TLS name check)
     "src/egressbox/proxy/gate.py",
     "src/egressbox/proxy/tunnel.py",
     "src/egressbox/proxy/listeners.py",

@@ -54,8 +54,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from egressbox import audit_cli
-from egressbox.audit import (
+from egressbox.audit.record import (
     AuditProtocol,
     AuditRecord,
     JsonlFileSink,
@@ -63,8 +62,9 @@ from egressbox.audit import (
     read_records,
     summarize,
 )
-from egressbox.errors import Reason, Verdict
-from egressbox.policy import parse_policy
+from egressbox.cli import audit as audit_cli
+from egressbox.core.errors import Reason, Verdict
+from egressbox.core.policy import parse_policy
 from egressbox.proxy.server import EgressProxy
 
 HOST = "127.0.0.1"
@@ -340,7 +340,7 @@ def generate_log(path: str, megabytes: int) -> int:
 
 def child_summary_rss(path: str) -> float:
     """Peak RSS (MiB) of `egressbox audit FILE --summary` run as its own process."""
-    code = "import sys; from egressbox.audit_cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from egressbox.cli.audit import main; sys.exit(main(sys.argv[1:]))"
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     subprocess.run(
         [sys.executable, "-c", code, path, "--summary"],

@@ -38,12 +38,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from egressbox.decide import Decision, NamePass, Target, decide_name, parse_target
-from egressbox.egress import check
-from egressbox.errors import Reason, ResolveError
-from egressbox.hosts import check_port, normalize_host
-from egressbox.policy import Policy, parse_policy
-from egressbox.resolve import Resolution
+from egressbox.core.decide import Decision, NamePass, Target, decide_name, parse_target
+from egressbox.core.errors import Reason, ResolveError
+from egressbox.core.hosts import check_port, normalize_host
+from egressbox.core.policy import Policy, parse_policy
+from egressbox.net.resolve import Resolution
+from egressbox.proxy.check import check
 
 TARGET_NAME_RATE = 200_000  # name-only decisions/s at 10,000 rules
 DEFAULT_SIZES = (10, 1_000, 10_000)
@@ -196,7 +196,7 @@ def warm_dns_resolver(answers: dict[str, Resolution]) -> Resolver | None:
     never leave the machine; the probe below makes sure the cache answers.
     """
     try:
-        from egressbox.resolve import DnsResolver
+        from egressbox.net.resolve import DnsResolver
     except ImportError:
         return None
     try:

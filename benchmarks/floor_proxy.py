@@ -9,7 +9,7 @@ accounting: everything egressbox does per tunnel is left out. benchmarks/
 proxy.py runs it beside egressbox so that the cost of that work shows as the
 difference between two rows of one run, on the same event loop (uvloop), the
 same Python and the same machine, and uvloop imported the way egressbox imports
-it (egressbox.eventloop: its table of transports compiled), so that the floor
+it (egressbox.net.eventloop: its table of transports compiled), so that the floor
 stays a floor. Listens on 127.0.0.1 only; never use it as a proxy.
 """
 
@@ -20,7 +20,7 @@ import contextlib
 import json
 import sys
 
-from egressbox.eventloop import import_uvloop
+from egressbox.net.eventloop import import_uvloop
 
 uvloop = import_uvloop()
 

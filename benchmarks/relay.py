@@ -32,7 +32,7 @@ from typing import Any
 
 import uvloop
 
-from egressbox.relay import SPLICE_THRESHOLD, Tunnel, open_tunnel, relay
+from egressbox.net.relay import SPLICE_THRESHOLD, Tunnel, open_tunnel, relay
 
 HOST = "127.0.0.1"
 CHUNK = 1 << 20  # source/sink syscall size: 1 MiB, as in FIELD-NOTES' measurements

@@ -398,7 +398,7 @@ def print_timeline(rows: list[dict[str, Any]]) -> None:
 
 
 # What the parent process of `egressbox run` imports before it hands its plan over.
-PARENT_IMPORTS = ("egressbox.cli", "egressbox.cli.run", "egressbox.policy", "tomllib")
+PARENT_IMPORTS = ("egressbox.cli", "egressbox.cli.run", "egressbox.core.policy", "tomllib")
 SLOWEST_SHOWN = 12
 
 

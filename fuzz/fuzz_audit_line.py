@@ -24,8 +24,8 @@ import atheris
 import harness
 
 with atheris.instrument_imports(include=["egressbox"]):
-    from egressbox import audit
-    from egressbox.errors import AuditError
+    from egressbox.audit import record as audit
+    from egressbox.core.errors import AuditError
 
 harness.check_pure([audit])
 

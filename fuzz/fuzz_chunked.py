@@ -24,7 +24,7 @@ import harness
 from http_reference import canonical_chunked, decode_chunks, h11_request
 
 with atheris.instrument_imports(include=["egressbox"]):
-    from egressbox import hosts
+    from egressbox.core import hosts
     from egressbox.protocols import http1
 
 harness.check_pure([http1, hosts])

@@ -26,8 +26,8 @@ import harness
 with atheris.instrument_imports(include=["egressbox", "idna"]):
     import idna
 
-    from egressbox import hosts
-    from egressbox.errors import HostError
+    from egressbox.core import hosts
+    from egressbox.core.errors import HostError
 
 harness.check_pure([hosts])
 

@@ -32,8 +32,8 @@ import atheris
 import harness
 
 with atheris.instrument_imports(include=["egressbox"]):
-    from egressbox import hosts, policy, rules
-    from egressbox.errors import PolicyError
+    from egressbox.core import hosts, policy, rules
+    from egressbox.core.errors import PolicyError
 
 harness.check_pure([policy, rules, hosts])
 

@@ -24,8 +24,8 @@ import atheris
 import harness
 
 with atheris.instrument_imports(include=["egressbox"]):
-    from egressbox import hosts
-    from egressbox.errors import HostError, Reason
+    from egressbox.core import hosts
+    from egressbox.core.errors import HostError, Reason
     from egressbox.protocols import socks5
 
 harness.check_pure([socks5, hosts])

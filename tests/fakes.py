@@ -5,9 +5,9 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 
-from egressbox.errors import Reason, ResolveError
-from egressbox.hosts import IPAddress
-from egressbox.resolve import Resolution
+from egressbox.core.errors import Reason, ResolveError
+from egressbox.core.hosts import IPAddress
+from egressbox.net.resolve import Resolution
 
 
 def ip(text: str) -> IPAddress:

@@ -34,8 +34,10 @@ import pytest
 from aiohttp import web
 
 from dnsserver import AAAA, SILENT, A, DnsServer
-from egressbox.audit import AuditRecord
-from egressbox.dial import (
+from egressbox.audit.record import AuditRecord
+from egressbox.core.hosts import IPAddress
+from egressbox.core.policy import Policy, parse_policy
+from egressbox.net.dial import (
     DEFAULT_STAGGER,
     DialCallback,
     DialError,
@@ -43,10 +45,8 @@ from egressbox.dial import (
     Dialing,
     start_connect,
 )
-from egressbox.hosts import IPAddress
-from egressbox.policy import Policy, parse_policy
+from egressbox.net.resolve import DnsResolver
 from egressbox.proxy.server import EgressProxy
-from egressbox.resolve import DnsResolver
 from unprivileged import (
     Actor,
     UnavailableError,

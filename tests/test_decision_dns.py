@@ -5,10 +5,10 @@ from __future__ import annotations
 import ipaddress
 
 from dnsserver import AAAA, CNAME, NXDOMAIN, SERVFAIL, SILENT, A, DnsServer
-from egressbox.egress import check
-from egressbox.errors import Reason, Verdict
-from egressbox.policy import Policy, parse_policy
-from egressbox.resolve import DnsResolver
+from egressbox.core.errors import Reason, Verdict
+from egressbox.core.policy import Policy, parse_policy
+from egressbox.net.resolve import DnsResolver
+from egressbox.proxy.check import check
 
 POLICY = {
     "egress": {

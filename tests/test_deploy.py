@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from egressbox.cli import build_parser
-from egressbox.policy import load_policy
-from egressbox.serve import ServeOptions, usage_problem
+from egressbox.core.policy import load_policy
+from egressbox.serve.command import ServeOptions, usage_problem
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"

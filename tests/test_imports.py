@@ -177,7 +177,7 @@ def test_importing_a_pure_module_loads_no_io_machinery(module: str) -> None:
 def test_decide_leaves_asyncio_and_socket_unloaded() -> None:
     # DESIGN §2 in its plainest form, for the module that pulls in all the others.
     code = (
-        "import sys, egressbox.decide; "
+        "import sys, egressbox.core.decide; "
         "print(','.join(m for m in ('asyncio', 'socket') if m in sys.modules))"
     )
     result = subprocess.run(

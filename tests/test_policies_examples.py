@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.decide import SelfEndpoints
-from egressbox.egress import check
-from egressbox.errors import Reason, Verdict
-from egressbox.policy import Mode, Policy, load_policy
+from egressbox.core.decide import SelfEndpoints
+from egressbox.core.errors import Reason, Verdict
+from egressbox.core.policy import Mode, Policy, load_policy
+from egressbox.proxy.check import check
 from fakes import FakeResolver, ip
 
 POLICIES = Path(__file__).resolve().parent.parent / "policies"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from egressbox.cli import build_parser
-from egressbox.errors import Reason
+from egressbox.core.errors import Reason
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 COMMANDS = ("serve", "run", "audit", "check", "explain", "doctor", "connect")

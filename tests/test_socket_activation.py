@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.systemd import ActivationError, Notifier, _kinds, listen_fds
+from egressbox.serve.systemd import ActivationError, Notifier, _kinds, listen_fds
 from serving import IO_TIMEOUT, admin_get, connect_through, policy_text, serving, write_atomically
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="serve is tested on Linux")

@@ -61,20 +61,20 @@ def compiled_core() -> bool:
 
 
 _EXPORTS = {
-    "AuditRecord": "egressbox.audit",
-    "JsonlFileSink": "egressbox.audit",
-    "Decision": "egressbox.decide",
-    "SelfEndpoints": "egressbox.decide",
-    "check": "egressbox.egress",
-    "Reason": "egressbox.errors",
-    "Verdict": "egressbox.errors",
-    "EgressboxError": "egressbox.errors",
-    "PolicyError": "egressbox.errors",
-    "Policy": "egressbox.policy",
-    "Mode": "egressbox.policy",
-    "load_policy": "egressbox.policy",
-    "parse_policy": "egressbox.policy",
-    "DnsResolver": "egressbox.resolve",
+    "AuditRecord": "egressbox.audit.record",
+    "JsonlFileSink": "egressbox.audit.record",
+    "Decision": "egressbox.core.decide",
+    "SelfEndpoints": "egressbox.core.decide",
+    "check": "egressbox.proxy.check",
+    "Reason": "egressbox.core.errors",
+    "Verdict": "egressbox.core.errors",
+    "EgressboxError": "egressbox.core.errors",
+    "PolicyError": "egressbox.core.errors",
+    "Policy": "egressbox.core.policy",
+    "Mode": "egressbox.core.policy",
+    "load_policy": "egressbox.core.policy",
+    "parse_policy": "egressbox.core.policy",
+    "DnsResolver": "egressbox.net.resolve",
     "EgressProxy": "egressbox.proxy.server",
     "run": "egressbox.runner.api",
     "run_sync": "egressbox.runner.api",
@@ -82,7 +82,7 @@ _EXPORTS = {
     "ConfinedProcess": "egressbox.runner.api",
     "RunResult": "egressbox.runner.options",
     "RefusalRecord": "egressbox.confine.refusal",
-    "Resolver": "egressbox.resolve",
+    "Resolver": "egressbox.net.resolve",
 }
 
 __all__ = [
@@ -112,14 +112,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from egressbox.audit import AuditRecord, JsonlFileSink
+    from egressbox.audit.record import AuditRecord, JsonlFileSink
     from egressbox.confine.refusal import RefusalRecord
-    from egressbox.decide import Decision, SelfEndpoints
-    from egressbox.egress import check
-    from egressbox.errors import EgressboxError, PolicyError, Reason, Verdict
-    from egressbox.policy import Mode, Policy, load_policy, parse_policy
+    from egressbox.core.decide import Decision, SelfEndpoints
+    from egressbox.core.errors import EgressboxError, PolicyError, Reason, Verdict
+    from egressbox.core.policy import Mode, Policy, load_policy, parse_policy
+    from egressbox.net.resolve import DnsResolver, Resolver
+    from egressbox.proxy.check import check
     from egressbox.proxy.server import EgressProxy
-    from egressbox.resolve import DnsResolver, Resolver
     from egressbox.runner.api import ConfinedProcess, run, run_sync, spawn_confined
     from egressbox.runner.options import RunResult
 

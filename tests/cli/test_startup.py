@@ -82,7 +82,14 @@ def test_help_of_every_command_is_built_in_full(capsys: pytest.CaptureFixture[st
 
 
 # Modules a later step loads (the proxy, DNS, name normalization), or that nothing loads.
-LATER = ("asyncio", "dns", "idna", "egressbox.proxy.server", "egressbox.rules", "egressbox.serve")
+LATER = (
+    "asyncio",
+    "dns",
+    "idna",
+    "egressbox.proxy.server",
+    "egressbox.core.rules",
+    "egressbox.serve.command",
+)
 
 HANDOVER_PROBE = """
 import json, sys

@@ -81,7 +81,7 @@ def test_a_symlink_on_the_way_to_the_cache_is_not_followed(tmp_path: Path) -> No
     forged = tmp_path / "forged"
     forged.mkdir(mode=0o700)
     cache.write(str(forged / "egressbox" / "v3-probe.json"), b'{"forged": 1}')
-    from egressbox.held import HeldDir
+    from egressbox.fs.held import HeldDir
 
     with HeldDir.open(real / "egressbox") as held:
         (real / "egressbox").rename(tmp_path / "moved")

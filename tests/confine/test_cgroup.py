@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from egressbox.confine import cgroup, world
 from egressbox.confine.plan import FIXED_TMPFS_BYTES, tmpfs_sizes, tmpfs_total
-from egressbox.policy import MIN_MAX_MEMORY
+from egressbox.core.policy import MIN_MAX_MEMORY
 
 MOUNTINFO = "30 1 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
 

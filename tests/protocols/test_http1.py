@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from egressbox.errors import EgressboxError
-from egressbox.limits import MAX_HEAD_BYTES
+from egressbox.core.errors import EgressboxError
+from egressbox.core.limits import MAX_HEAD_BYTES
 from egressbox.protocols import http1
 from egressbox.protocols.http1 import (
     CHUNKED_BODY,

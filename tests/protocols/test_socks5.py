@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from python_socks import ProxyError, ProxyType
 from python_socks.sync import Proxy
 
-from egressbox.errors import EgressboxError, Reason
-from egressbox.hosts import canonical_ip_text
+from egressbox.core.errors import EgressboxError, Reason
+from egressbox.core.hosts import canonical_ip_text
 from egressbox.protocols import socks5
 from egressbox.protocols.socks5 import (
     HTTP_ON_SOCKS_PORT,

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 from egressbox.protocols import tls
 from egressbox.protocols.tls import (
     MAX_HELLO,

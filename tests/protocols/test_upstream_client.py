@@ -10,8 +10,8 @@ import ipaddress
 import pytest
 
 from egressbox.confine.env import EnvPolicy, ProxyEndpoints, child_environment
-from egressbox.errors import PolicyError
-from egressbox.policy import UPSTREAM_BY_NAME_WARNING, parse_policy, with_upstream
+from egressbox.core.errors import PolicyError
+from egressbox.core.policy import UPSTREAM_BY_NAME_WARNING, parse_policy, with_upstream
 from egressbox.protocols.upstream import (
     ENV_PASSWORD,
     ENV_USER,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.errors import Reason
-from egressbox.policy import load_policy
+from egressbox.core.errors import Reason
+from egressbox.core.policy import load_policy
 from egressbox.proxy.approval import (
     MAX_ANSWER_BYTES,
     MAX_OPEN_QUESTIONS,

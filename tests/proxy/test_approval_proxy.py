@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from dnsserver import A
-from egressbox.audit import JsonlFileSink
+from egressbox.audit.record import JsonlFileSink
 from egressbox.proxy.approval import Answer, Approved, MissRequest
 from proxy_fixtures import BASE_POLICY
 
@@ -361,7 +361,7 @@ async def test_a_failing_or_wrong_decider_denies(
 async def test_close_denied_keeps_what_a_session_answer_admits(
     start: Any, origins: Origins, wire: Wire
 ) -> None:
-    from egressbox.policy import parse_policy
+    from egressbox.core.policy import parse_policy
 
     setup = await start(["session"])
     echo = await origins.echo()

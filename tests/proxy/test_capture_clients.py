@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from dnsserver import A, DnsServer
-from egressbox.synthetic import V4_NETWORK, V6_NETWORK
+from egressbox.core.synthetic import V4_NETWORK, V6_NETWORK
 from tools_fixtures import Sshd, make_git_repo, missing_tools
 from unprivileged import Actor
 

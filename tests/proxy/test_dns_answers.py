@@ -13,8 +13,8 @@ import dns.rdatatype
 import pytest
 
 from dnsserver import DnsServer
+from egressbox.core.synthetic import V4_NETWORK, V6_NETWORK, SyntheticNames
 from egressbox.proxy.dns import Answerer
-from egressbox.synthetic import V4_NETWORK, V6_NETWORK, SyntheticNames
 from proxy_fixtures import StartProxy, Wire
 
 pytestmark = pytest.mark.usefixtures("dials")

@@ -7,8 +7,8 @@ import resource
 
 import pytest
 
-from egressbox.errors import Reason
-from egressbox.policy import parse_policy
+from egressbox.core.errors import Reason
+from egressbox.core.policy import parse_policy
 from egressbox.proxy.server import FD_RESERVE, EgressProxy, fd_capacity
 
 

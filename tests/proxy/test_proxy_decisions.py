@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from dnsserver import A
-from egressbox.audit import KEYS, JsonlFileSink
+from egressbox.audit.record import KEYS, JsonlFileSink
 
 if TYPE_CHECKING:
     from pathlib import Path

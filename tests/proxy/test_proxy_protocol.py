@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.limits import Limits
+from egressbox.core.limits import Limits
 from egressbox.protocols.proxy_header import V2_SIGNATURE, build_v1, build_v2
 from egressbox.proxy.server import EgressProxy
 from listening import free_port, wait_listening

@@ -26,13 +26,13 @@ from typing import Any
 import pytest
 import uvloop
 
-from egressbox.audit import AuditRecord
-from egressbox.errors import AuditError, Reason
-from egressbox.hosts import IPAddress
-from egressbox.policy import Policy, parse_policy
+from egressbox.audit.record import AuditRecord
+from egressbox.core.errors import AuditError, Reason
+from egressbox.core.hosts import IPAddress
+from egressbox.core.policy import Policy, parse_policy
+from egressbox.net.resolve import Resolution
 from egressbox.proxy.server import EgressProxy
 from egressbox.proxy.tunnel import Connection
-from egressbox.resolve import Resolution
 from proxy_fixtures import StreamOrigin
 
 pytestmark = [

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from egressbox.errors import Reason
-from egressbox.policy import parse_policy
+from egressbox.core.errors import Reason
+from egressbox.core.policy import parse_policy
+from egressbox.net.resolve import Resolution
 from egressbox.proxy.server import EgressProxy
-from egressbox.resolve import Resolution
 from fakes import FakeResolver, ip
 
 IO_TIMEOUT = 15.0

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from python_socks.async_.asyncio import Proxy
 
-from egressbox.audit import JsonlFileSink
-from egressbox.policy import parse_policy
+from egressbox.audit.record import JsonlFileSink
+from egressbox.core.policy import parse_policy
 from proxy_fixtures import BASE_POLICY, IO_TIMEOUT
 from tls_hellos import ech_hello, handshake_message, real_hello, records
 

@@ -373,7 +373,7 @@ async def test_an_unreachable_upstream_is_upstream_failed(
 async def test_the_policy_key_chains_and_a_reload_follows_it(
     start_proxy: StartProxy, origin: HttpOrigin, curl: Curl
 ) -> None:
-    from egressbox.policy import parse_policy
+    from egressbox.core.policy import parse_policy
 
     with running_squid([origin.port]) as squid:
         chained = {"egress": {**BASE_POLICY["egress"], "upstream": squid.url}}

@@ -23,9 +23,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from egressbox.audit import AuditRecord
-from egressbox.limits import Limits
-from egressbox.policy import parse_policy
+from egressbox.audit.record import AuditRecord
+from egressbox.core.limits import Limits
+from egressbox.core.policy import parse_policy
 from egressbox.proxy.server import EgressProxy
 from fakes import FakeResolver
 

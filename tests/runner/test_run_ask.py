@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from dnsserver import A
-from egressbox.policy import load_policy, parse_policy
+from egressbox.core.policy import load_policy, parse_policy
 from egressbox.proxy.approval import Answer, Approved, MissRequest
 from egressbox.runner.api import run
 from egressbox.runner.facts import host_facts

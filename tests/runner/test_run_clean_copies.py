@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from egressbox.confine.plan import HostFacts
-from egressbox.policy import parse_policy
+from egressbox.core.policy import parse_policy
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.facts import host_facts
 from egressbox.runner.options import RunOptions

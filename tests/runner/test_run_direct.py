@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 RUN_TIMEOUT = 120.0
-EXIT_TAMPERED = 125  # src/egressbox/exitcodes.py
+EXIT_TAMPERED = 125  # src/egressbox/core/exitcodes.py
 
 
 @dataclass

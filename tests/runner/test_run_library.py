@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from egressbox.policy import Policy, parse_policy
+from egressbox.core.policy import Policy, parse_policy
 from egressbox.proxy.server import EgressProxy
 from egressbox.runner.api import ConfinedProcess, run, spawn_confined
 from egressbox.runner.facts import host_facts

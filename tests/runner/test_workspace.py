@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from egressbox.confine.plan import HostFacts, Profile
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 from egressbox.runner.assemble import Prepared, prepare
 from egressbox.runner.options import RunRefusedError, options_for
 from egressbox.runner.supervise import clean_up
@@ -69,7 +69,7 @@ def test_a_read_only_workspace_without_filesystem_rules_is_refused(
 
 
 def test_deny_entries_without_filesystem_rules_are_said(tmp_path: Path, ws: Path) -> None:
-    from egressbox.policy import parse_policy
+    from egressbox.core.policy import parse_policy
 
     policy = parse_policy({"filesystem": {"deny": ["~/.vault"]}}, env={})
     home = tmp_path / "home"

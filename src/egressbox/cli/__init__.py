@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from egressbox import __version__
 from egressbox.cli import startup
-from egressbox.errors import EgressboxError, HostError, PolicyError, print_policy_error
-from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from egressbox.core.errors import EgressboxError, HostError, PolicyError, print_policy_error
+from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 startup.prepare()
 
 if TYPE_CHECKING:
-    from egressbox.decide import Decision
-    from egressbox.policy import Policy
+    from egressbox.core.decide import Decision
+    from egressbox.core.policy import Policy
 
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -95,7 +95,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         else:
             sub.add_parser(name)
     if command in (None, "audit"):
-        from egressbox import audit_cli
+        from egressbox.cli import audit as audit_cli
 
         audit_cli.add_parser(sub)
     else:
@@ -271,7 +271,7 @@ def _add_serve_operations(p: argparse.ArgumentParser) -> None:
 
 
 def _workers(text: str) -> int:
-    from egressbox.workers import worker_count
+    from egressbox.serve.workers import worker_count
 
     try:
         return worker_count(text)
@@ -612,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from egressbox import audit_cli
+    from egressbox.cli import audit as audit_cli
 
     return audit_cli.run(args)
 
@@ -624,7 +624,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     status = EXIT_OK
     for path in args.files:
         try:
-            from egressbox.policy import load_policy
+            from egressbox.core.policy import load_policy
 
             policy = load_policy(path, env={})
         except PolicyError as exc:
@@ -663,7 +663,7 @@ def split_target(text: str) -> tuple[str, str | int]:
         has_port = authority.rsplit("]", 1)[-1].count(":") == 1
         return url_host, url_port if has_port else default
     try:
-        from egressbox.hosts import split_authority
+        from egressbox.core.hosts import split_authority
 
         host, port = split_authority(text)
     except HostError:
@@ -673,12 +673,12 @@ def split_target(text: str) -> tuple[str, str | int]:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from egressbox.egress import check
-    from egressbox.policy import load_policy_or_environment
-    from egressbox.resolve import parse_nameserver, resolver_for
+    from egressbox.core.policy import load_policy_or_environment
+    from egressbox.net.resolve import parse_nameserver, resolver_for
+    from egressbox.proxy.check import check
 
     policy = load_policy_or_environment(args.policy)
-    from egressbox.policy import Mode
+    from egressbox.core.policy import Mode
 
     if policy is not None and policy.mode is Mode.REPORT:
         print("egressbox: warning: report mode lets denied names through", file=sys.stderr)
@@ -697,7 +697,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _ip_texts(decision: Decision) -> list[str]:
-    from egressbox.hosts import canonical_ip_text
+    from egressbox.core.hosts import canonical_ip_text
 
     return [canonical_ip_text(ip) for ip in decision.addresses]
 
@@ -737,7 +737,7 @@ def _explain_text(decision: Decision) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from egressbox.serve import ServeOptions, serve
+    from egressbox.serve.command import ServeOptions, serve
 
     options = ServeOptions(
         policy_path=args.policy,
@@ -844,7 +844,7 @@ def _doctor_upstream(args: argparse.Namespace) -> dict[str, Any]:
     if args.upstream is not None:
         upstream = parse_upstream(args.upstream, args.upstream_target or "address")
     elif args.policy is not None:
-        from egressbox.policy import load_policy
+        from egressbox.core.policy import load_policy
 
         upstream = load_policy(args.policy, env={}).upstream
     return describe_upstream(upstream)

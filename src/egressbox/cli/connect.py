@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
 
 PROXY_VARIABLES = (
     "https_proxy",

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from egressbox.exitcodes import EXIT_OK, EXIT_RUNTIME
+from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME
 
 EXAMPLES = """\
 examples:

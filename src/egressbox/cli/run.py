@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from egressbox.confine.executable import CommandNotFoundError
-from egressbox.errors import EgressboxError
-from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
+from egressbox.core.errors import EgressboxError
+from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.options import (
     RunOptions,
@@ -20,14 +20,14 @@ from egressbox.runner.options import (
 )
 
 if TYPE_CHECKING:
-    from egressbox.audit import AuditSink
-    from egressbox.policy import Policy, RunSettings
+    from egressbox.audit.record import AuditSink
+    from egressbox.core.policy import Policy, RunSettings
 
 
 def run_command(args: Any, argv: list[str]) -> int:
     """`egressbox run`: the CLI front of run_sync (no asyncio imported before the fork)."""
-    from egressbox.errors import AuditError
-    from egressbox.exitcodes import EXIT_USAGE
+    from egressbox.core.errors import AuditError
+    from egressbox.core.exitcodes import EXIT_USAGE
 
     if _project_policy(args) is not None:
         return EXIT_USAGE
@@ -40,7 +40,7 @@ def run_command(args: Any, argv: list[str]) -> int:
     audit: AuditSink | None = None
     try:
         if args.audit_log:
-            from egressbox.audit import JsonlFileSink  # only then: it costs ~5 ms
+            from egressbox.audit.record import JsonlFileSink  # only then: it costs ~5 ms
 
             audit = JsonlFileSink(args.audit_log)
     except AuditError as exc:
@@ -81,7 +81,7 @@ def _print_report(args: Any, result: RunResult) -> None:
 
 def _cli_policy(args: Any) -> Policy | None:
     """The command line's policy (loaded while the launcher starts)."""
-    from egressbox.policy import load_policy_or_environment
+    from egressbox.core.policy import load_policy_or_environment
 
     policy = load_policy_or_environment(args.policy)
     if args.policy and not getattr(args, "project_policy", False):
@@ -95,14 +95,14 @@ def _cli_policy(args: Any) -> Policy | None:
             "(pass --policy FILE, or set EGRESSBOX_ALLOW=host:port,...)"
         )
     if policy is not None and args.report_only:
-        from egressbox.policy import Mode
-        from egressbox.suggest import with_mode
+        from egressbox.audit.suggest import with_mode
+        from egressbox.core.policy import Mode
 
         policy = with_mode(policy, Mode.REPORT)
         write_err("warning: report mode lets names outside the allow list through")
     upstream = getattr(args, "chain_to", None)
     if policy is not None and upstream is not None:
-        from egressbox.policy import with_upstream
+        from egressbox.core.policy import with_upstream
 
         policy = with_upstream(policy, upstream)
     if policy is not None and policy.upstream is not None and policy.upstream.pinning != "full":
@@ -164,14 +164,14 @@ def _cli_run_settings(args: Any) -> RunSettings | int | None:
     the sandbox); the rest of the policy loads while the launcher starts."""
     if not args.policy:
         return None
-    from egressbox.errors import PolicyError
-    from egressbox.policy import load_run_settings
+    from egressbox.core.errors import PolicyError
+    from egressbox.core.policy import load_run_settings
 
     try:
         return load_run_settings(args.policy)
     except PolicyError as exc:
-        from egressbox.errors import print_policy_error
-        from egressbox.exitcodes import EXIT_USAGE
+        from egressbox.core.errors import print_policy_error
+        from egressbox.core.exitcodes import EXIT_USAGE
 
         print_policy_error(exc, sys.stderr)
         return EXIT_USAGE
@@ -259,12 +259,12 @@ def _asking(args: Any) -> dict[str, Any] | None:
 
 
 def _hold_save_approved(args: Any) -> bool:
-    """Hold --save-approved's directory from now, before the child exists (egressbox.held):
+    """Hold --save-approved's directory from now, before the child exists (egressbox.fs.held):
     whatever the child does to the path, the file is written where it was meant."""
     if not (args.ask or args.ask_command):
         write_err("--save-approved needs --ask or --ask-command")
         return False
-    from egressbox.held import HeldFile
+    from egressbox.fs.held import HeldFile
 
     try:
         args.save_approved_held = HeldFile(args.save_approved)
@@ -301,7 +301,7 @@ def _nameservers(texts: Sequence[str]) -> tuple[tuple[str, int], ...]:
     if not texts:
         return ()
     # Imported only when asked for: it loads dnspython (~45 ms).
-    from egressbox.resolve import parse_nameserver
+    from egressbox.net.resolve import parse_nameserver
 
     return tuple(parse_nameserver(text) for text in texts)
 
@@ -313,7 +313,7 @@ def _diagnostic(line: str) -> None:
 def _run_reporting_errors(
     options: RunOptions, audit: AuditSink | None, args: Any
 ) -> RunResult | int:
-    from egressbox.errors import PolicyError
+    from egressbox.core.errors import PolicyError
 
     try:
         return run_options_sync(
@@ -323,8 +323,8 @@ def _run_reporting_errors(
             policy_loader=lambda: _cli_policy(args),
         )
     except PolicyError as exc:
-        from egressbox.errors import print_policy_error
-        from egressbox.exitcodes import EXIT_USAGE
+        from egressbox.core.errors import print_policy_error
+        from egressbox.core.exitcodes import EXIT_USAGE
 
         print_policy_error(exc, sys.stderr)
         return EXIT_USAGE

@@ -10,7 +10,7 @@ owns a file proves nothing about who wrote it. What protects the state is its pl
   where EGRESSBOX_STATE_DIR says.
 - No plan may grant it: a run whose writable paths include it is refused before anything
   starts (runner/assemble.py), so in a confined child's view it is absent or read-only.
-- It is opened by descriptor, with no symbolic link on the way (egressbox.held), and a file is
+- It is opened by descriptor, with no symbolic link on the way (egressbox.fs.held), and a file is
   believed only if it and the directory belong to the invoking user and nobody else may
   write them (a second wall against other users, e.g. a shared EGRESSBOX_STATE_DIR).
 
@@ -27,7 +27,7 @@ import os
 import stat
 from collections.abc import Mapping
 
-from egressbox.held import HeldDir
+from egressbox.fs.held import HeldDir
 
 # Names carry a format version: files written before this layout are never read.
 VERSION = "v3"

@@ -35,7 +35,7 @@ from egressbox.confine import netns
 from egressbox.confine.cgroup import CgroupPlan
 from egressbox.confine.plan import CAPTURE_FILES, Mechanism, WorldSpec
 from egressbox.confine.staging import StagingSpec
-from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
+from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 
 # Signals the launcher and the reaper pass on to the command.
 FORWARDED = (

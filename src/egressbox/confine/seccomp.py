@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Any, Protocol, cast
 
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 
 # libseccomp's public ABI (seccomp.h): actions and filter attributes. Defined here so that
 # planning needs no pyseccomp; libseccomp cannot change these values without breaking every user.

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Final, NamedTuple
 
-from egressbox import hosts, limits
-from egressbox.errors import EgressboxError, HostError
+from egressbox.core import hosts, limits
+from egressbox.core.errors import EgressboxError, HostError
 
 # Enum members read in function bodies are bound once as Final names, here and below
 # each enum of this module: compiled, each `Enum.X` read would be a lookup on the enum

@@ -37,7 +37,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

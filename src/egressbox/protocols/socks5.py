@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum, auto
 from typing import Final
 
-from egressbox.errors import EgressboxError, Reason
-from egressbox.hosts import IPAddress, canonical_ip_text
+from egressbox.core.errors import EgressboxError, Reason
+from egressbox.core.hosts import IPAddress, canonical_ip_text
 
 # Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
 # would be a lookup through EnumType's __getattr__ hook (~600 instructions).

@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 
 # -- limits (where each value came from) -------------------------------------------
 

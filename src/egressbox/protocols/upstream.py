@@ -18,7 +18,7 @@ The handshakes: `start()` gives the first bytes to send, `feed()` takes what the
 upstream answered and returns more bytes to send (possibly none); `done` says the
 tunnel is open, and `trailing` holds the upstream's bytes after its reply (a server that
 speaks first). A refusal raises `UpstreamRefusedError` with a failure code that the proxy
-turns into its reply (egressbox.dial.DialFailure values). The CONNECT reply is read up
+turns into its reply (egressbox.net.dial.DialFailure values). The CONNECT reply is read up
 to the end of its head and judged by its status line only: a 2xx answer to CONNECT has
 no body (RFC 9110 §9.3.6) and any other answer ends the connection, so nothing is
 framed, and the one HTTP grammar (protocols/http1) stays the one that frames messages.
@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from egressbox.errors import EgressboxError, HostError
+from egressbox.core.errors import EgressboxError, HostError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -48,7 +48,7 @@ MAX_SOCKS_CREDENTIAL = 255
 # RFC 1928 §5: a domain name is one length byte and 1-255 bytes.
 MAX_SOCKS_NAME = 255
 
-# Failure codes (egressbox.dial.DialFailure values; the proxy maps them to replies).
+# Failure codes (egressbox.net.dial.DialFailure values; the proxy maps them to replies).
 UPSTREAM_FAILED = "upstream_failed"  # no tunnel through the upstream (unreachable, broken)
 UPSTREAM_DENIED = "upstream_denied"  # the upstream refused the destination itself
 CONNECT_REFUSED = "connect_refused"
@@ -144,7 +144,7 @@ def parse_upstream(url: str, target: str = UpstreamTarget.ADDRESS) -> UpstreamPr
         )
     if any(c in authority for c in "/?#"):
         raise ValueError("an upstream URL has no path, query or fragment: scheme://HOST:PORT")
-    from egressbox.hosts import parse_authority
+    from egressbox.core.hosts import parse_authority
 
     try:
         host, port = parse_authority(authority)

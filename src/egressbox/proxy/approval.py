@@ -44,9 +44,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
-from egressbox.errors import Reason
-from egressbox.held import HeldFile
-from egressbox.hosts import format_authority
+from egressbox.core.errors import Reason
+from egressbox.core.hosts import format_authority
+from egressbox.fs.held import HeldFile
 
 # How long a question may stay open before it denies (`--ask-timeout`): long enough to read
 # a prompt and decide, short enough that a client's own timeout (curl and pip wait longer
@@ -448,7 +448,7 @@ def save_approved(path: str | HeldFile, approved: Sequence[Approved]) -> None:
     """Write approved_policy() to `path` in one step (a reader never sees half of it).
 
     Give a HeldFile made before the run's child started: its directory is held from then
-    on (egressbox.held), so a directory on the way that the child replaced with a symbolic
+    on (egressbox.fs.held), so a directory on the way that the child replaced with a symbolic
     link cannot send the file elsewhere. A plain path is resolved now. Raises OSError.
     """
     data = approved_policy(approved).encode("utf-8")

@@ -27,10 +27,10 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
-from egressbox.audit import AuditProtocol
-from egressbox.decide import Decision, bad_target, parse_target
-from egressbox.errors import HostError, Reason
-from egressbox.synthetic import TTL, ExhaustedError, SyntheticNames, address_of_reverse
+from egressbox.audit.record import AuditProtocol
+from egressbox.core.decide import Decision, bad_target, parse_target
+from egressbox.core.errors import HostError, Reason
+from egressbox.core.synthetic import TTL, ExhaustedError, SyntheticNames, address_of_reverse
 
 if TYPE_CHECKING:
     from egressbox.proxy.gate import ProxyState
@@ -145,7 +145,7 @@ class Answerer:
         except HostError as exc:
             decision = bad_target(exc, 0)
         else:
-            from egressbox.decide import deny
+            from egressbox.core.decide import deny
 
             decision = deny(reason, target, detail)
         return gate_audited(self.state, AuditProtocol.DNS, decision, name, 0, record_port=0)

@@ -47,14 +47,14 @@ import enum
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Final, cast
 
-from egressbox.deadlines import Deadline, wheel
-from egressbox.decide import Decision
-from egressbox.dial import DialError, Dialing, start_connect
-from egressbox.hosts import IPAddress, format_authority
+from egressbox.core.decide import Decision
+from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.net.deadlines import Deadline, wheel
+from egressbox.net.dial import DialError, Dialing, start_connect
 from egressbox.protocols import http1
 from egressbox.proxy.gate import OpenTarget
+from egressbox.proxy.replies import dial_http_status, http_status
 from egressbox.proxy.upstream import UpstreamDial, dial_through
-from egressbox.replies import dial_http_status, http_status
 
 # Members of enums from other modules bound once: compiled, each read would go
 # through the enum class's attribute lookup (~130 instructions, under callgrind).

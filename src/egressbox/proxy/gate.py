@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple, Protocol
 
-from egressbox.audit import (
+from egressbox.audit.record import (
     AuditProtocol,
     AuditRecord,
     AuditSink,
@@ -24,7 +24,7 @@ from egressbox.audit import (
     StreamSink,
     decision_line,
 )
-from egressbox.decide import (
+from egressbox.core.decide import (
     Decision,
     NamePass,
     SelfEndpoints,
@@ -34,11 +34,18 @@ from egressbox.decide import (
     deny,
     parse_target,
 )
-from egressbox.egress import Pending, check_now, recheck
-from egressbox.errors import AuditError, HostError, Reason, Verdict
-from egressbox.hosts import IPAddress, format_authority
-from egressbox.limits import Limits
-from egressbox.policy import Policy
+from egressbox.core.errors import AuditError, HostError, Reason, Verdict
+from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.limits import Limits
+from egressbox.core.policy import Policy
+from egressbox.core.synthetic import SyntheticNames
+from egressbox.net.relay import (
+    RelayStats,
+    Tunnel,
+)
+
+# Imported at run time: compiled dataclasses resolve their field types.
+from egressbox.net.resolve import Resolver
 from egressbox.protocols.upstream import Upstream
 from egressbox.proxy.approval import (
     RELOAD_ADMITTED,
@@ -47,14 +54,7 @@ from egressbox.proxy.approval import (
     MissRequest,
     Outcome,
 )
-from egressbox.relay import (
-    RelayStats,
-    Tunnel,
-)
-
-# Imported at run time: compiled dataclasses resolve their field types.
-from egressbox.resolve import Resolver
-from egressbox.synthetic import SyntheticNames
+from egressbox.proxy.check import Pending, check_now, recheck
 
 # Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
 # would be a lookup through EnumType's __getattr__ hook (~600 instructions).
@@ -91,7 +91,7 @@ class OpenTarget(NamedTuple):
 
 
 class Meter(Protocol):
-    """What serve's metrics (egressbox.metrics) hear from the proxy: one call per audit
+    """What serve's metrics (egressbox.serve.metrics) hear from the proxy: one call per audit
     record written (so the counts always add up to the log), per failed audit write and
     per ended tunnel, and the resolver's queries (resolve.DnsMeter). Plain calls with
     enum arguments: the gate builds no labels."""

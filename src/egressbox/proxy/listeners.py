@@ -16,12 +16,12 @@ import ipaddress
 from collections.abc import Callable, Sequence
 from typing import Final, cast
 
-from egressbox.audit import AuditProtocol, AuditRecord
-from egressbox.deadlines import Deadline, wheel
-from egressbox.decide import Decision
-from egressbox.dial import DialError
-from egressbox.errors import AuditError, Reason, Verdict
-from egressbox.hosts import INVALID_HOST_TEXT
+from egressbox.audit.record import AuditProtocol, AuditRecord
+from egressbox.core.decide import Decision
+from egressbox.core.errors import AuditError, Reason, Verdict
+from egressbox.core.hosts import INVALID_HOST_TEXT
+from egressbox.net.deadlines import Deadline, wheel
+from egressbox.net.dial import DialError
 from egressbox.protocols import http1, socks5
 from egressbox.protocols.proxy_header import (
     IPNetwork,
@@ -32,8 +32,8 @@ from egressbox.protocols.proxy_header import (
     unmapped,
 )
 from egressbox.proxy.gate import ProxyState, stderr_log
+from egressbox.proxy.replies import dial_http_status, dial_socks_code, http_status, socks_code
 from egressbox.proxy.tunnel import Connection
-from egressbox.replies import dial_http_status, dial_socks_code, http_status, socks_code
 
 # Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
 # would be a lookup through EnumType's __getattr__ hook (~600 instructions).
@@ -252,7 +252,7 @@ class CapturedConnection(Connection):
 
     def _destination(self) -> tuple[str, int]:
         from egressbox.confine.capture import original_destination
-        from egressbox.synthetic import is_synthetic
+        from egressbox.core.synthetic import is_synthetic
 
         assert self.transport is not None
         address, port = original_destination(self.transport.get_extra_info("socket"))

@@ -25,17 +25,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from egressbox.audit import (
+from egressbox.audit.record import (
     AuditRecord,
     AuditSink,
 )
-from egressbox.decide import Decision, SelfEndpoints
-from egressbox.egress import recheck
-from egressbox.errors import AuditError, Reason, Verdict
-from egressbox.hosts import IPAddress, format_authority
-from egressbox.limits import Limits
-from egressbox.netinfo import local_addresses
-from egressbox.policy import Policy
+from egressbox.core.decide import Decision, SelfEndpoints
+from egressbox.core.errors import AuditError, Reason, Verdict
+from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.limits import Limits
+from egressbox.core.policy import Policy
+from egressbox.core.synthetic import SyntheticNames
+from egressbox.net.netinfo import local_addresses
+
+# Imported at run time: compiled dataclasses resolve their field types.
+from egressbox.net.resolve import DnsMeter, Resolution, Resolver
 from egressbox.protocols.proxy_header import parse_trusted
 from egressbox.protocols.upstream import (
     Upstream,
@@ -45,6 +48,7 @@ from egressbox.protocols.upstream import (
 )
 from egressbox.proxy.approval import DEFAULT_TIMEOUT as DEFAULT_ASK_TIMEOUT
 from egressbox.proxy.approval import Approvals, Decider
+from egressbox.proxy.check import recheck
 from egressbox.proxy.gate import (
     Credentials,
     Held,
@@ -58,10 +62,6 @@ from egressbox.proxy.gate import (
 )
 from egressbox.proxy.listeners import ProxyHeaderConnection, ProxyHeaderGate
 from egressbox.proxy.tunnel import Connection
-
-# Imported at run time: compiled dataclasses resolve their field types.
-from egressbox.resolve import DnsMeter, Resolution, Resolver
-from egressbox.synthetic import SyntheticNames
 
 # Listen backlog: large enough for a burst of short tunnels from a parallel
 # build (Linux caps it at net.core.somaxconn, 4096 by default).
@@ -524,7 +524,7 @@ class LazyResolver:
 
 
 def _dns_resolver(policy: Policy | None, meter: DnsMeter | None = None) -> Resolver:
-    from egressbox.resolve import DnsResolver
+    from egressbox.net.resolve import DnsResolver
 
     if policy is None:
         return DnsResolver(meter=meter)

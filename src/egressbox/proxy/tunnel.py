@@ -14,26 +14,26 @@ import functools
 from collections.abc import Callable
 from typing import Final, cast
 
-from egressbox.audit import (
+from egressbox.audit.record import (
     AuditProtocol,
 )
-from egressbox.deadlines import Deadline, wheel
-from egressbox.decide import Decision, bad_target
-from egressbox.dial import DialError, Dialing, start_connect
-from egressbox.egress import Pending
-from egressbox.errors import AuditError, HostError, Reason
-from egressbox.hosts import format_authority
-from egressbox.protocols import http1
-from egressbox.proxy.gate import OpenTarget, ProxyState, _watch_tunnel, gate_audited, gate_now
-from egressbox.proxy.upstream import UpstreamDial, dial_through
-from egressbox.relay import (
+from egressbox.core.decide import Decision, bad_target
+from egressbox.core.errors import AuditError, HostError, Reason
+from egressbox.core.hosts import format_authority
+from egressbox.net.deadlines import Deadline, wheel
+from egressbox.net.dial import DialError, Dialing, start_connect
+from egressbox.net.relay import (
     Tunnel,
     new_tunnel,
     open_tunnel_with_upstream,
 )
+from egressbox.protocols import http1
+from egressbox.proxy.check import Pending
+from egressbox.proxy.gate import OpenTarget, ProxyState, _watch_tunnel, gate_audited, gate_now
 
 # Imported at run time: compiled dataclasses resolve their field types.
-from egressbox.sni import FirstBytes, checks_names
+from egressbox.proxy.tls_check import FirstBytes, checks_names
+from egressbox.proxy.upstream import UpstreamDial, dial_through
 
 # Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
 # would be a lookup through EnumType's __getattr__ hook (~600 instructions).

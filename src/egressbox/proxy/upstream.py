@@ -26,8 +26,10 @@ import contextlib
 import ipaddress
 from typing import cast
 
-from egressbox.decide import Decision
-from egressbox.dial import (
+from egressbox.core.decide import Decision
+from egressbox.core.errors import ResolveError
+from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.net.dial import (
     DialCallback,
     DialError,
     DialFailure,
@@ -35,8 +37,7 @@ from egressbox.dial import (
     interleave_families,
     start_connect,
 )
-from egressbox.errors import ResolveError
-from egressbox.hosts import IPAddress, format_authority
+from egressbox.net.resolve import Resolver
 from egressbox.protocols.upstream import (
     UPSTREAM_FAILED,
     Handshake,
@@ -45,7 +46,6 @@ from egressbox.protocols.upstream import (
     UpstreamTarget,
     handshake,
 )
-from egressbox.resolve import Resolver
 
 
 class _Handshaking(asyncio.Protocol):

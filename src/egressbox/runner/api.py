@@ -12,7 +12,7 @@ from egressbox.confine.executable import CommandNotFoundError
 from egressbox.confine.plan import (
     HostFacts,
 )
-from egressbox.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
+from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 from egressbox.runner.assemble import Prepared, prepare
 from egressbox.runner.facts import host_facts
 from egressbox.runner.gate import abandon
@@ -29,8 +29,8 @@ from egressbox.runner.supervise import (
 )
 
 if TYPE_CHECKING:
-    from egressbox.audit import AuditSink
-    from egressbox.policy import Policy
+    from egressbox.audit.record import AuditSink
+    from egressbox.core.policy import Policy
     from egressbox.proxy.server import EgressProxy
 
 
@@ -101,7 +101,7 @@ def run_options_sync(
         early = _exit_before_first_connection(launched)
         if early is not None:
             return _result(early, [], prepared, launched, launched.stderr_tail())
-    from egressbox.serve import run_loop
+    from egressbox.serve.command import run_loop
 
     holder: list[RunResult] = []
 

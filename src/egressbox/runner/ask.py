@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from egressbox.proxy.approval import Answer, Decider, MissRequest
-    from egressbox.stderr_tee import StderrTee, TerminalRelay
+    from egressbox.runner.terminal import StderrTee, TerminalRelay
 
 # How often the prompt looks whether its question was withdrawn (a timeout, the run ending).
 POLL_SECONDS = 0.1
@@ -107,7 +107,7 @@ class TerminalPrompt:
 
 def for_run(decider: Decider, tee: StderrTee | TerminalRelay | None) -> Decider:
     """The run's decider: a terminal prompt learns the run's terminal relay (to hold it)."""
-    from egressbox.stderr_tee import TerminalRelay
+    from egressbox.runner.terminal import TerminalRelay
 
     if isinstance(decider, TerminalPrompt):
         decider.relay = tee if isinstance(tee, TerminalRelay) else None

@@ -49,7 +49,7 @@ from egressbox.confine.plan import (
     wanted,
 )
 from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot, plan_caches
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 from egressbox.runner.facts import _cache_dir, _compiled_seccomp
 from egressbox.runner.gate import (
     DIRECT,

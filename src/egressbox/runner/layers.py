@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from egressbox.confine import cache, staging
 from egressbox.confine.plan import is_under
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 
 LAYERS = "layers"
 META = "meta.json"

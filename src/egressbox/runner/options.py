@@ -18,13 +18,13 @@ from egressbox.confine.plan import (
     Refusal,
     strictest,
 )
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 
 if TYPE_CHECKING:
-    from egressbox.audit import AuditRecord
+    from egressbox.audit.record import AuditRecord
     from egressbox.confine.refusal import RefusalRecord
     from egressbox.confine.staging import Change
-    from egressbox.policy import Policy, RunSettings
+    from egressbox.core.policy import Policy, RunSettings
     from egressbox.proxy.approval import Approved, Decider
 
 
@@ -292,7 +292,7 @@ def with_settings(
     either, is read-only.
     """
     if settings is None:
-        from egressbox.policy import RunSettings
+        from egressbox.core.policy import RunSettings
 
         settings = RunSettings()
     process, fs, table_env = settings.process, settings.filesystem, settings.env
@@ -332,7 +332,7 @@ def with_settings(
 def write_err(line: str) -> None:
     """One line of ours on stderr: control characters shown, never acted on (a path or a
     name in it may come from the command); CR LF while the terminal is raw (stderr_tee)."""
-    from egressbox.stderr_tee import terminal_line
+    from egressbox.runner.terminal import terminal_line
 
     sys.stderr.write(terminal_line(f"egressbox: {line}", sys.stderr))
     sys.stderr.flush()

@@ -15,12 +15,12 @@ from egressbox.confine.plan import (
     Enforcement,
     Mechanism,
 )
-from egressbox.errors import EgressboxError
-from egressbox.exitcodes import EXIT_CANNOT_CONFINE
+from egressbox.core.errors import EgressboxError
+from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE
 from egressbox.runner import zygote
 from egressbox.runner.assemble import CAPTURE_ROW, MEMORY_ROW, Prepared, applied_report
 from egressbox.runner.options import KILL_GRACE, LAUNCHER_TIMEOUT, RunOptions, write_err
-from egressbox.stderr_tee import (
+from egressbox.runner.terminal import (
     StderrTee,
     TerminalRelay,
     open_stdio,

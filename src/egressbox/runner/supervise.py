@@ -17,18 +17,18 @@ from egressbox.confine.launcher import LaunchPlan
 from egressbox.confine.plan import (
     Mechanism,
 )
-from egressbox.exitcodes import EXIT_TAMPERED, EXIT_TIMEOUT
+from egressbox.core.exitcodes import EXIT_TAMPERED, EXIT_TIMEOUT
 from egressbox.runner.assemble import Prepared
 from egressbox.runner.gate import finish
 from egressbox.runner.options import RunOptions, RunResult
 from egressbox.runner.spawn import Launched, _kill_and_reap
-from egressbox.stderr_tee import (
+from egressbox.runner.terminal import (
     DRAIN_TIMEOUT,
     FINAL_READS,
 )
 
 if TYPE_CHECKING:
-    from egressbox.audit import AuditRecord, AuditSink
+    from egressbox.audit.record import AuditRecord, AuditSink
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord
     from egressbox.proxy.server import EgressProxy
 
@@ -61,8 +61,8 @@ def _make_proxy(
     launched: Launched, options: RunOptions, *, audit: AuditSink | None = None, log: Any = None
 ) -> EgressProxy:
     """The proxy for the launcher's listeners (not started: _supervise() starts it)."""
+    from egressbox.net.resolve import DnsResolver
     from egressbox.proxy.server import EgressProxy
-    from egressbox.resolve import DnsResolver
 
     http, socks = launched.listeners[0], launched.listeners[1]
     capture = [s for s in (launched.capture,) if s is not None]

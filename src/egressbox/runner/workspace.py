@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from egressbox.confine.plan import expand_user, is_under
 from egressbox.confine.toolchains import MISSING
-from egressbox.errors import EgressboxError
+from egressbox.core.errors import EgressboxError
 from egressbox.runner.project import GitGrants, ProjectRoot, find_project_root, git_grants
 
 # With a read-only workspace the scratch space (TMPDIR, caches) lives in the child's private

@@ -1,0 +1,1 @@
+"""The audit record (one serializer, one parser), its sinks, reading and suggesting."""

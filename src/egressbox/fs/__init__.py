@@ -1,0 +1,1 @@
+"""Host files opened from held directories, never by a path a child could redirect."""

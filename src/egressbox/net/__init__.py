@@ -1,0 +1,1 @@
+"""Sockets and the event loop: resolving, dialling pinned addresses, relaying."""

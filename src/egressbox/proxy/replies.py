@@ -1,0 +1,61 @@
+"""Errors and decisions mapped to replies, in one place (HTTP status, SOCKS5 code).
+
+Pure. Every denial answers with the same reason code the audit record and
+the diagnostic line carry.
+"""
+
+from __future__ import annotations
+
+from egressbox.core.errors import Reason
+
+# Reasons that are not policy denials of the destination.
+_HTTP_STATUS = {
+    Reason.DNS_FAILURE: 502,
+    Reason.DNS_TIMEOUT: 504,
+    Reason.TOO_MANY_CONNECTIONS: 503,
+    Reason.AUDIT_UNAVAILABLE: 503,
+}
+# SOCKS5 reply codes (RFC 1928 §6).
+SOCKS_GENERAL_FAILURE = 0x01
+SOCKS_NOT_ALLOWED = 0x02
+SOCKS_NETWORK_UNREACHABLE = 0x03
+SOCKS_HOST_UNREACHABLE = 0x04
+SOCKS_CONNECTION_REFUSED = 0x05
+_SOCKS_CODE = {
+    Reason.DNS_FAILURE: SOCKS_HOST_UNREACHABLE,
+    Reason.DNS_TIMEOUT: SOCKS_HOST_UNREACHABLE,
+    Reason.TOO_MANY_CONNECTIONS: SOCKS_GENERAL_FAILURE,
+    Reason.AUDIT_UNAVAILABLE: SOCKS_GENERAL_FAILURE,
+}
+
+# Upstream connect failures (dial.DialFailure values) after an allow decision.
+_DIAL_HTTP = {
+    "connect_refused": 502,
+    "connect_timeout": 504,
+    "network_unreachable": 502,
+    "connect_failed": 502,
+}
+_DIAL_SOCKS = {
+    "connect_refused": SOCKS_CONNECTION_REFUSED,
+    "connect_timeout": SOCKS_HOST_UNREACHABLE,
+    "network_unreachable": SOCKS_NETWORK_UNREACHABLE,
+    "connect_failed": SOCKS_GENERAL_FAILURE,
+}
+
+
+def http_status(reason: Reason) -> int:
+    """403 for a policy denial; 502/504 for DNS; 503 when the proxy cannot serve."""
+    return _HTTP_STATUS.get(reason, 403)
+
+
+def socks_code(reason: Reason) -> int:
+    """0x02 (not allowed by ruleset) for a policy denial; see RFC 1928 §6."""
+    return _SOCKS_CODE.get(reason, SOCKS_NOT_ALLOWED)
+
+
+def dial_http_status(failure: str) -> int:
+    return _DIAL_HTTP.get(failure, 502)
+
+
+def dial_socks_code(failure: str) -> int:
+    return _DIAL_SOCKS.get(failure, SOCKS_GENERAL_FAILURE)

@@ -1,0 +1,1 @@
+"""The `egressbox serve` process: options, workers, fleet, admin, watch, systemd."""
