@@ -32,7 +32,7 @@ COMPILED = [
     "src/egressbox/net/eventloop.py",  # two transports a tunnel enter its table
     "src/egressbox/net/dial.py",
     "src/egressbox/net/relay.py",
-    "src/egressbox/proxy/tls_check.py",  # the first client bytes of every tunnel (the TLS name check)
+    "src/egressbox/proxy/tls_check.py",  # every tunnel's first bytes
     "src/egressbox/proxy/gate.py",
     "src/egressbox/proxy/tunnel.py",
     "src/egressbox/proxy/listeners.py",

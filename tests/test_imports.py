@@ -22,16 +22,10 @@ FORBIDDEN_ALIASES = frozenset(
     {"_asyncio", "_socket", "_ssl", "_posixsubprocess", "_thread", "_overlapped"}
 )
 
-PURE_MODULES = (
-    "hosts",
-    "policy",
-    "addresses",
-    "decide",
-    "rules",
-    "limits",
-    "errors",
-    "confine.refusal",
-)
+# The pure floors, whole: the core and the sans-IO protocol parsers. Plus the refusal
+# classifier of confine, pure by itself and read before the launcher forks.
+PURE_PACKAGES = ("core", "protocols")
+PURE_EXTRA = ("confine.refusal",)
 
 
 def _package_dir() -> Path:
@@ -43,8 +37,9 @@ def _package_dir() -> Path:
 
 def _pure_files() -> list[Path]:
     package = _package_dir()
-    files = [package / f"{name.replace('.', '/')}.py" for name in PURE_MODULES]
-    files += sorted((package / "protocols").rglob("*.py"))
+    files = [package / f"{name.replace('.', '/')}.py" for name in PURE_EXTRA]
+    for floor in PURE_PACKAGES:
+        files += sorted((package / floor).rglob("*.py"))
     # Importing any of them first runs the package's __init__.
     files.append(package / "__init__.py")
     return files
@@ -134,8 +129,9 @@ def test_the_scanner_sees_every_spelling() -> None:
 
 def _runtime_modules() -> list[str]:
     package = _package_dir()
-    names = [f"egressbox.{name}" for name in PURE_MODULES]
-    for path in sorted((package / "protocols").rglob("*.py")):
+    names = [f"egressbox.{name}" for name in PURE_EXTRA]
+    paths = [p for floor in PURE_PACKAGES for p in sorted((package / floor).rglob("*.py"))]
+    for path in paths:
         relative = path.relative_to(package).with_suffix("")
         parts = [p for p in relative.parts if p != "__init__"]
         names.append(".".join(["egressbox", *parts]))

@@ -149,3 +149,66 @@ def test_the_test_tree_mirrors_the_source_tree() -> None:
     assert test_dirs <= packages, f"test directories with no package: {test_dirs - packages}"
     stray = [p for p in TESTS.rglob("test_*.py") if p.parent != TESTS and p.parent.parent != TESTS]
     assert not stray, f"tests nested deeper than tests/<package>/: {stray}"
+
+
+# The floor plan: which package may import which. A package imports its own modules and those
+# of the floors below it; the command line may import anything and nothing imports it. fs (the
+# files the host writes or trusts, opened from held directories) sits beside core: it is I/O,
+# so not in the pure core, and the audit sink, the caches and the approvals file all use it.
+# confine may use net: the capture self-test reads a redirected connection's original
+# destination (net/original.py), which the proxy reads too.
+FLOORS: dict[str, frozenset[str]] = {
+    "core": frozenset(),
+    "fs": frozenset({"core"}),
+    "protocols": frozenset({"core"}),
+    "net": frozenset({"core"}),
+    "audit": frozenset({"core", "fs"}),
+    "confine": frozenset({"core", "fs", "net"}),
+    "proxy": frozenset({"core", "fs", "protocols", "net", "audit"}),
+    "serve": frozenset({"core", "fs", "protocols", "net", "audit", "confine", "proxy"}),
+    "runner": frozenset({"core", "fs", "protocols", "net", "audit", "confine", "proxy"}),
+    "cli": frozenset(
+        {"core", "fs", "protocols", "net", "audit", "confine", "proxy", "serve", "runner"}
+    ),
+}
+TOP = frozenset({"egressbox", "egressbox.__main__"})
+
+
+def _floor(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and module not in TOP else None
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that goes up or sideways against FLOORS, as "importer -> imported"."""
+    found = []
+    for name, deps in sorted(graph.items()):
+        floor = _floor(name)
+        if floor is None:
+            continue
+        for dep in sorted(deps):
+            other = _floor(dep)
+            if dep == "egressbox" and floor == "cli":
+                continue  # the command line is a shell over the library's public names
+            if other is None or (other != floor and other not in FLOORS[floor]):
+                found.append(f"{name} -> {dep}")
+    return found
+
+
+def test_every_module_lives_on_a_floor() -> None:
+    loose = sorted(n for n in _modules() if n not in TOP and _floor(n) not in FLOORS)
+    assert loose == [], f"modules outside the floors of FLOORS: {loose}"
+
+
+def test_imports_follow_the_floor_plan() -> None:
+    assert wrong_way(_graph()) == []
+
+
+def test_the_floor_plan_test_catches_a_wrong_way_import() -> None:
+    graph = {k: set(v) for k, v in _graph().items()}
+    graph["egressbox.core.hosts"].add("egressbox.proxy.gate")
+    graph["egressbox.net.dial"].add("egressbox.confine.plan")
+    assert wrong_way(graph) == [
+        "egressbox.core.hosts -> egressbox.proxy.gate",
+        "egressbox.net.dial -> egressbox.confine.plan",
+    ]

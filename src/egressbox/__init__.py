@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from egressbox.core.version import __version__
 
 # The proxy core may be compiled by mypyc (setup.py): extension modules that
 # sit beside their sources and win the import. EGRESSBOX_PURE=1 loads every

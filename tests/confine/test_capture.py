@@ -27,6 +27,7 @@ from egressbox.confine.plan import (
     WorldSpec,
 )
 from egressbox.confine.probe import probe_host
+from egressbox.net.original import original_destination
 from egressbox.runner.assemble import prepare
 from egressbox.runner.options import options_for
 from forking import fork_call
@@ -153,7 +154,7 @@ def _redirected(allow_loopback: bool) -> dict[str, Any]:
             client.connect(target or own.getsockname())
             listener = own if target is None and allow_loopback else made.capture
             with _accepted(listener) as conn:
-                seen[name] = list(capture.original_destination(conn))
+                seen[name] = list(original_destination(conn))
     # The proxy's own listener is reached as itself, never redirected.
     with socket.create_connection(proxy.getsockname(), timeout=IO_TIMEOUT):
         _accepted(proxy).close()
@@ -223,7 +224,7 @@ def _loopback_is_captured() -> dict[str, Any]:
         reached = "own server"
     except TimeoutError:
         reached = "capture only"
-    return {"reached": reached, "original": list(capture.original_destination(conn))}
+    return {"reached": reached, "original": list(original_destination(conn))}
 
 
 def test_without_allow_loopback_even_loopback_is_captured(capture_works: None) -> None:

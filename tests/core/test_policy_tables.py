@@ -296,7 +296,8 @@ def test_load_run_settings_does_not_import_idna(tmp_path: Path) -> None:
         "import json, sys\n"
         "from egressbox.core.policy import load_run_settings\n"
         "s = load_run_settings(sys.argv[1])\n"
-        "heavy = sorted(m for m in ('idna', 'egressbox.core.hosts', 'egressbox.core.rules', 'asyncio')"
+        "heavy = sorted(m for m in ('idna', 'egressbox.core.hosts', 'egressbox.core.rules',"
+        " 'asyncio')"
         " if m in sys.modules)\n"
         "print(json.dumps([heavy, s.process.profile]))\n"
     )

@@ -12,22 +12,24 @@ import pytest
 from egressbox.confine.env import EnvPolicy, ProxyEndpoints, child_environment
 from egressbox.core.errors import PolicyError
 from egressbox.core.policy import UPSTREAM_BY_NAME_WARNING, parse_policy, with_upstream
-from egressbox.protocols.upstream import (
+from egressbox.core.upstream import (
     ENV_PASSWORD,
     ENV_USER,
+    UpstreamKind,
+    UpstreamProxy,
+    UpstreamTarget,
+    parse_upstream,
+)
+from egressbox.protocols.upstream import (
     MAX_CONNECT_REPLY_HEAD,
     HttpConnectHandshake,
     Socks5Handshake,
     Upstream,
     UpstreamCredentials,
-    UpstreamKind,
-    UpstreamProxy,
     UpstreamRefusedError,
-    UpstreamTarget,
     credentials_from_env,
     describe_upstream,
     handshake,
-    parse_upstream,
 )
 
 CREDENTIALS = UpstreamCredentials("alice", "s3cret:with colon")

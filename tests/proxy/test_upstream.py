@@ -29,13 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.protocols.upstream import (
-    UpstreamCredentials,
-    UpstreamKind,
-    UpstreamProxy,
-    UpstreamTarget,
-    parse_upstream,
-)
+from egressbox.core.upstream import UpstreamKind, UpstreamProxy, UpstreamTarget, parse_upstream
+from egressbox.protocols.upstream import UpstreamCredentials
 from listening import free_port, wait_listening
 from proxy_fixtures import (
     BASE_POLICY,

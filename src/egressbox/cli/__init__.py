@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from egressbox import __version__
 from egressbox.cli import startup
 from egressbox.core.errors import EgressboxError, HostError, PolicyError, print_policy_error
 from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+from egressbox.core.version import __version__
 
 startup.prepare()
 
@@ -838,7 +838,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def _doctor_upstream(args: argparse.Namespace) -> dict[str, Any]:
     """The upstream `serve`/`run` would chain through (--upstream, else --policy's), and
     whether pinning holds through it."""
-    from egressbox.protocols.upstream import describe_upstream, parse_upstream
+    from egressbox.core.upstream import parse_upstream
+    from egressbox.protocols.upstream import describe_upstream
 
     upstream = None
     if args.upstream is not None:

@@ -120,7 +120,8 @@ def _cli_upstream(args: Any) -> str | None:
         or any(name.startswith("EGRESSBOX_UPSTREAM_") for name in os.environ)
     ):
         return None  # nothing to check: the parser is not even loaded (~1.5 ms)
-    from egressbox.protocols.upstream import credentials_from_env, parse_upstream
+    from egressbox.core.upstream import parse_upstream
+    from egressbox.protocols.upstream import credentials_from_env
 
     try:
         if getattr(args, "upstream", None) is not None:

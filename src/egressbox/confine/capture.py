@@ -49,10 +49,6 @@ PACKAGE = "libnftables1"
 # (<linux/netfilter_ipv4.h> SO_ORIGINAL_DST, <linux/netfilter_ipv6/ip6_tables.h>).
 SO_ORIGINAL_DST = 80
 IP6T_SO_ORIGINAL_DST = 80
-SOL_IP = 0
-SOL_IPV6 = 41
-_SOCKADDR_IN = 16
-_SOCKADDR_IN6 = 28
 
 # rtnetlink (<linux/netlink.h>, <linux/rtnetlink.h>).
 NETLINK_ROUTE = 0
@@ -153,22 +149,6 @@ def _capture_listener(backlog: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def original_destination(conn: socket.socket) -> tuple[str, int]:
-    """(address, port) a redirected connection was made to, read from its accepted socket.
-
-    A dual-stack listener accepts IPv4 connections as IPv4-mapped IPv6 ones: their original
-    destination is still IPv4's (SOL_IP), and the address returned is plain IPv4 text.
-    """
-    local = conn.getsockname()[0]
-    if conn.family == socket.AF_INET or str(local).startswith("::ffff:"):
-        raw = conn.getsockopt(SOL_IP, SO_ORIGINAL_DST, _SOCKADDR_IN)
-        port = int.from_bytes(raw[2:4], "big")
-        return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
-    raw = conn.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, _SOCKADDR_IN6)
-    port = int.from_bytes(raw[2:4], "big")
-    return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
 
 
 # -- routes (rtnetlink) ---------------------------------------------------------------------
@@ -379,6 +359,7 @@ def self_test() -> str:
     process that changed its uid without exec may not write its own maps).
     """
     from egressbox.confine import netns
+    from egressbox.net.original import original_destination
 
     libc = ctypes.CDLL(None, use_errno=True)
     user = os.geteuid() != 0

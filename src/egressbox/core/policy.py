@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     # which load_run_settings() (read by `egressbox run` before its fork) must not pay for.
     from egressbox.core.hosts import IPAddress
     from egressbox.core.rules import CidrIndex, IPNetwork, Rule, RuleSet
-    from egressbox.protocols.upstream import UpstreamProxy
+    from egressbox.core.upstream import UpstreamProxy
 
 N = TypeVar("N", int, float)
 
@@ -457,7 +457,7 @@ class _Parser:
         """[egress] upstream = "http://HOST:PORT" | "socks5://HOST:PORT", upstream_target."""
         if "upstream" not in egress and "upstream_target" not in egress:
             return None  # the common case: the upstream parser (and ipaddress) stays unloaded
-        from egressbox.protocols.upstream import UpstreamTarget, parse_upstream
+        from egressbox.core.upstream import UpstreamTarget, parse_upstream
 
         url, target = egress.get("upstream"), egress.get("upstream_target", "address")
         if not isinstance(target, str) or target not in tuple(UpstreamTarget):

@@ -21,8 +21,9 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Coroutine
 from types import ModuleType
-from typing import Final
+from typing import Any, Final
 
 # What uvloop's C module imports at its top (uvloop/includes/stdlib.pxi), loaded before
 # the swap so that none of their module bodies runs while it is in place.
@@ -108,3 +109,14 @@ def _plain_import() -> ModuleType | None:
     except ImportError:
         return None
     return uvloop
+
+
+def run_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Run `main` on uvloop when it is installed (faster relay), else asyncio's loop."""
+    import asyncio
+
+    uvloop = import_uvloop()
+    if uvloop is None:
+        return asyncio.run(main())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())

@@ -251,8 +251,8 @@ class CapturedConnection(Connection):
         self.begin(host, port, self.early)
 
     def _destination(self) -> tuple[str, int]:
-        from egressbox.confine.capture import original_destination
         from egressbox.core.synthetic import is_synthetic
+        from egressbox.net.original import original_destination
 
         assert self.transport is not None
         address, port = original_destination(self.transport.get_extra_info("socket"))

@@ -35,17 +35,13 @@ from egressbox.core.hosts import IPAddress, format_authority
 from egressbox.core.limits import Limits
 from egressbox.core.policy import Policy
 from egressbox.core.synthetic import SyntheticNames
+from egressbox.core.upstream import UpstreamProxy
 from egressbox.net.netinfo import local_addresses
 
 # Imported at run time: compiled dataclasses resolve their field types.
 from egressbox.net.resolve import DnsMeter, Resolution, Resolver
 from egressbox.protocols.proxy_header import parse_trusted
-from egressbox.protocols.upstream import (
-    Upstream,
-    UpstreamCredentials,
-    UpstreamProxy,
-    credentials_from_env,
-)
+from egressbox.protocols.upstream import Upstream, UpstreamCredentials, credentials_from_env
 from egressbox.proxy.approval import DEFAULT_TIMEOUT as DEFAULT_ASK_TIMEOUT
 from egressbox.proxy.approval import Approvals, Decider
 from egressbox.proxy.check import recheck

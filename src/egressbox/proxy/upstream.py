@@ -29,6 +29,7 @@ from typing import cast
 from egressbox.core.decide import Decision
 from egressbox.core.errors import ResolveError
 from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.upstream import UpstreamTarget
 from egressbox.net.dial import (
     DialCallback,
     DialError,
@@ -43,7 +44,6 @@ from egressbox.protocols.upstream import (
     Handshake,
     Upstream,
     UpstreamRefusedError,
-    UpstreamTarget,
     handshake,
 )
 

@@ -101,7 +101,7 @@ def run_options_sync(
         early = _exit_before_first_connection(launched)
         if early is not None:
             return _result(early, [], prepared, launched, launched.stderr_tail())
-    from egressbox.serve.command import run_loop
+    from egressbox.net.eventloop import run_loop
 
     holder: list[RunResult] = []
 

@@ -146,14 +146,14 @@ def probe_key() -> dict[str, str] | None:
     boot = _read("/proc/sys/kernel/random/boot_id")
     if not boot:
         return None
-    import egressbox
+    from egressbox.core.version import __version__
 
     key = {
         "boot": boot,
         "release": os.uname().release,
         "euid": str(os.geteuid()),
         "user_namespace": _readlink("/proc/self/ns/user"),
-        "egressbox": f"{egressbox.__version__} {_mtime(_source('confine', 'probe.py'))}",
+        "egressbox": f"{__version__} {_mtime(_source('confine', 'probe.py'))}",
     }
     key |= _status_fields()
     key |= {sysctl: _read(f"/proc/sys/{sysctl}") or "-" for sysctl in SYSCTLS}

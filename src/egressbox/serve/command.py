@@ -16,7 +16,6 @@ import resource
 import signal
 import socket
 import sys
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ from egressbox.audit.suggest import with_mode
 from egressbox.core.errors import AuditError, PolicyError, print_policy_error
 from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
 from egressbox.core.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
-from egressbox.net.eventloop import import_uvloop
+from egressbox.net.eventloop import run_loop
 from egressbox.net.resolve import parse_nameserver, resolver_for
 from egressbox.proxy.approval import DEFAULT_TIMEOUT as DEFAULT_ASK_TIMEOUT
 from egressbox.proxy.approval import Answer, CommandDecider, command_argv, save_approved
@@ -94,15 +93,6 @@ def raise_nofile_limit() -> int:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return hard
-
-
-def run_loop(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    """Run `main` on uvloop when it is installed (faster relay), else asyncio's loop."""
-    uvloop = import_uvloop()
-    if uvloop is None:
-        return asyncio.run(main())
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main())
 
 
 def _fail(message: str, code: int) -> int:
@@ -257,8 +247,9 @@ def chain_problem(options: ServeOptions) -> str:
 def chain_arguments(options: ServeOptions) -> dict[str, Any]:
     """EgressProxy's proxy_protocol_from and upstream (ValueError: a usage error). The
     credentials are checked here too (they are read again when the proxy starts)."""
+    from egressbox.core.upstream import parse_upstream
     from egressbox.protocols.proxy_header import parse_trusted
-    from egressbox.protocols.upstream import credentials_from_env, parse_upstream
+    from egressbox.protocols.upstream import credentials_from_env
 
     found: dict[str, Any] = {}
     if options.proxy_protocol_from is not None:
