@@ -1,6 +1,7 @@
-"""README's tables stay true to the code: every flag a command row shows exists on that
-command's parser, every flag a parser has is documented, and the reason codes listed are
-exactly the `Reason` enum's."""
+"""The reference in docs/ stays true to the code: every flag a command's table shows exists on
+that command's parser, every flag a parser has is in its command's section, the reason codes
+are exactly the `Reason` enum's, every policy key the loader accepts is documented, and every
+metric `serve --admin` exports is in the metrics table. README.md links only to pages that exist."""
 
 from __future__ import annotations
 
@@ -11,15 +12,48 @@ from pathlib import Path
 import pytest
 
 from egressbox.cli import build_parser
+from egressbox.core import limits, policy
 from egressbox.core.errors import Reason
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-COMMANDS = ("serve", "run", "audit", "check", "explain", "doctor", "connect")
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+COMMANDS = (
+    "serve",
+    "run",
+    "audit",
+    "check",
+    "explain",
+    "doctor",
+    "connect",
+    "changes",
+    "apply",
+    "discard",
+)
+# changes, apply and discard share one section of docs/commands.md.
+SECTION_OF = {"changes": "changes", "apply": "changes", "discard": "changes"}
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
 
-def _readme() -> str:
-    return README.read_text(encoding="utf-8")
+def _page(name: str) -> str:
+    return (DOCS / name).read_text(encoding="utf-8")
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under the first heading that starts with `heading`, to the next one of its level."""
+    level = heading.split(" ", 1)[0]
+    start = next((i for i, line in enumerate(text.splitlines()) if line.startswith(heading)), None)
+    assert start is not None, f"no section {heading!r}"
+    lines = text.splitlines()[start + 1 :]
+    end = next(
+        (i for i, line in enumerate(lines) if re.match(rf"#{{1,{len(level)}}} ", line)),
+        len(lines),
+    )
+    return "\n".join(lines[:end])
+
+
+def _command_section(command: str) -> str:
+    name = SECTION_OF.get(command, command)
+    return _section(_page("commands.md"), f"## `egressbox {name}")
 
 
 def _parser_flags(command: str) -> set[str]:
@@ -30,31 +64,75 @@ def _parser_flags(command: str) -> set[str]:
     return {f for f in flags if f.startswith("--") and f != "--help"}
 
 
-def _rows(command: str) -> list[str]:
+def _table_first_cells(section: str) -> list[str]:
     return [
-        line
-        for line in _readme().splitlines()
-        if line.startswith(f"| `egressbox {command}") and line.count("|") >= 3
+        line.split("|")[1]
+        for line in section.splitlines()
+        if line.startswith("| `--") and line.count("|") >= 3
     ]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_flag_a_command_row_shows_exists(command: str) -> None:
-    rows = _rows(command)
-    assert rows, f"README has no row for `egressbox {command}`"
-    shown = {flag for row in rows for flag in FLAG.findall(row.split("|")[1])}
-    assert shown - _parser_flags(command) == set()
+def test_every_flag_a_command_table_shows_exists(command: str) -> None:
+    section = _command_section(command)
+    shown = {flag for cell in _table_first_cells(section) for flag in FLAG.findall(cell)}
+    if command in SECTION_OF:  # one section for three commands: the union of their flags
+        known = set().union(*(_parser_flags(c) for c in SECTION_OF))
+    else:
+        known = _parser_flags(command)
+    assert shown - known == set()
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_flag_of_a_command_is_documented(command: str) -> None:
-    text = _readme()
-    missing = {flag for flag in _parser_flags(command) if flag not in text}
-    assert missing == set()
+def test_every_flag_of_a_command_is_in_its_table(command: str) -> None:
+    section = _command_section(command)
+    shown = {flag for cell in _table_first_cells(section) for flag in FLAG.findall(cell)}
+    assert _parser_flags(command) - shown == set()
 
 
 def test_the_reason_codes_are_the_enums() -> None:
-    text = _readme()
-    section = text.split("## Reason codes", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"`([a-z_]+)`", section))
+    section = _section(_page("audit.md"), "## Reason codes")
+    listed = {
+        m.group(1) for line in section.splitlines() if (m := re.match(r"\| `([a-z_]+)` \|", line))
+    }
     assert listed == {reason.value for reason in Reason}
+
+
+POLICY_TABLES = {
+    "egress": policy.EGRESS_KEYS,
+    "dns": policy.DNS_KEYS,
+    "limits": tuple(limits.LIMIT_BOUNDS),
+    "process": policy.PROCESS_KEYS,
+    "filesystem": policy.FILESYSTEM_KEYS,
+    "env": policy.ENV_KEYS,
+}
+
+
+def test_the_policy_tables_are_the_loaders() -> None:
+    example = _page("policy.md").split("```toml", 1)[1].split("```", 1)[0]
+    tables = re.findall(r"^\[([a-z]+)\]", example, re.M)
+    assert set(tables) == set(policy.TOP_KEYS)
+
+
+@pytest.mark.parametrize("table", sorted(POLICY_TABLES))
+def test_every_policy_key_is_in_the_example(table: str) -> None:
+    example = _page("policy.md").split("```toml", 1)[1].split("```", 1)[0]
+    body = example.split(f"[{table}]", 1)[1].split("\n[", 1)[0]
+    keys = set(re.findall(r"^#?\s*([a-z_]+)\s*=", body, re.M))
+    assert keys == set(POLICY_TABLES[table])
+
+
+def test_every_metric_is_in_the_metrics_table() -> None:
+    source = (ROOT / "src/egressbox/serve/metrics.py").read_text(encoding="utf-8")
+    exported = set(re.findall(r'"(egressbox_[a-z_]+)"', source))
+    table = _section(_page("production.md"), "## Metrics")
+    listed = set(re.findall(r"^\| `(egressbox_[a-z_]+)` \|", table, re.M))
+    # prometheus_client adds _total to a counter's name
+    assert {m.removesuffix("_total") for m in listed} == exported
+
+
+def test_readme_links_lead_to_pages_that_exist() -> None:
+    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            assert (page.parent / target).exists(), f"{page.name} links to a missing {target}"
