@@ -549,6 +549,12 @@ def _add_doctor(sub: Subparsers) -> None:
     p.add_argument(
         "--policy", metavar="FILE", help="also say how its [egress] upstream would be used"
     )
+    p.add_argument(
+        "--apparmor-profile",
+        action="store_true",
+        help="print an AppArmor profile that lets this egressbox create user namespaces "
+        "where Ubuntu restricts them, and exit (install it under /etc/apparmor.d/)",
+    )
     _add_upstream(p, doctor=True)
 
 
@@ -806,8 +812,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from egressbox.confine.probe import format_table, probe_host, to_json
+    from egressbox.confine.probe import format_table, namespace_blocker, probe_host, to_json
 
+    if args.apparmor_profile:
+        from egressbox.confine.blockers import apparmor_profile
+        from egressbox.confine.probe import entry_point
+
+        print(apparmor_profile(entry_point()), end="")
+        return EXIT_OK
     try:
         chaining = _doctor_upstream(args)
     except ValueError as exc:
@@ -819,8 +831,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     remember_probe(support)  # what `run` believes next is what doctor says now
     profiles = profile_support(support)
     core = _core_line()
+    blocked = namespace_blocker()
     if args.json:
         data = to_json(support)
+        data["namespace_blocker"] = (
+            None
+            if blocked is None
+            else {"cause": blocked.cause, "why": blocked.why, "fix": blocked.fix}
+        )
         data["profiles"] = profiles
         data["proxy_core"] = core
         data["upstream"] = chaining
@@ -828,6 +846,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(format_table(support))
     print()
+    if blocked is not None:
+        print(f"namespaces: blocked ({blocked.cause}): {blocked.why}")
+        print(f"  to lift it: {blocked.fix}")
+        print()
     print(_profiles_table(profiles))
     print()
     print(f"proxy core: {core}")

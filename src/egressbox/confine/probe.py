@@ -8,6 +8,7 @@ exit: they import nothing and never return into the caller's code.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -24,6 +25,7 @@ from enum import StrEnum
 from typing import Any
 
 from egressbox.confine import capture, landlock
+from egressbox.confine.blockers import DEFAULT_ENTRY_POINT, Blocker, NamespaceFacts, blocker
 
 # Namespace flags for unshare(2) (<sched.h>); Python 3.11 has no os.unshare.
 CLONE_NEWNS = 0x00020000
@@ -402,6 +404,14 @@ def _namespace_hint(flags: int, err: int) -> str:
         return "; a namespace limit (/proc/sys/user/max_*_namespaces) is 0 or reached"
     if err != errno.EPERM:
         return ""
+    status = _status_numbers()
+    if status.get("Seccomp") == 2 and status.get("Seccomp_filters", 0) > 0:
+        # A container's seccomp profile: capabilities and sysctls would not change the answer.
+        return "; a seccomp filter on this process may refuse it (a container's profile?)"
+    return _eperm_hint(flags)
+
+
+def _eperm_hint(flags: int) -> str:
     if not flags & CLONE_NEWUSER:
         return "; this process lacks CAP_SYS_ADMIN (a container without privileges?)"
     if os.geteuid() == 0:
@@ -410,6 +420,94 @@ def _namespace_hint(flags: int, err: int) -> str:
         sysctl = "kernel.apparmor_restrict_unprivileged_userns"
         return f"; AppArmor restricts unprivileged user namespaces ({sysctl}=1)"
     return "; enable kernel.unprivileged_userns_clone or run as root"
+
+
+# -- what blocks namespaces (confine/blockers.py tells the cause from these facts) --------------
+
+APPARMOR_PATHS = ("/sys/kernel/security/apparmor", "/sys/module/apparmor")
+
+
+def blocker_facts() -> NamespaceFacts:
+    """The facts behind "what blocks namespaces here": a test unshare of the network namespace
+    (with a user namespace unless root) in a child, /proc/self/status, the uid map, the sysctls
+    and whether AppArmor is loaded. A few milliseconds; never raises."""
+    flags = CLONE_NEWNET | (0 if os.geteuid() == 0 else CLONE_NEWUSER)
+    try:
+        outcome = _run_in_child(lambda: _namespace_child(flags))
+    except OSError as exc:
+        outcome = _Outcome(ok=False, step="fork", errno=exc.errno or 0)
+    status = _status_numbers()
+    return NamespaceFacts(
+        euid=os.geteuid(),
+        failed_step="" if outcome.ok else (outcome.step or outcome.text or "probe"),
+        failed_errno=0 if outcome.ok else outcome.errno,
+        seccomp_mode=status.get("Seccomp", 0),
+        seccomp_filters=status.get("Seccomp_filters", 0),
+        cap_eff=status.get("CapEff", 0),
+        uid_map=_uid_map(),
+        max_user_namespaces=_sysctl_int("user/max_user_namespaces"),
+        unprivileged_userns_clone=_sysctl_int("kernel/unprivileged_userns_clone"),
+        apparmor_restrict=_sysctl_int("kernel/apparmor_restrict_unprivileged_userns"),
+        apparmor_loaded=any(os.path.exists(p) for p in APPARMOR_PATHS),
+        kubernetes=bool(os.environ.get("KUBERNETES_SERVICE_HOST")),
+        entry_point=entry_point(),
+    )
+
+
+def namespace_blocker() -> Blocker | None:
+    """What keeps this process from creating namespaces, with the fix; None when nothing does."""
+    return blocker(blocker_facts())
+
+
+def entry_point() -> str:
+    """The installed `egressbox` script this process runs as, links resolved (what an AppArmor
+    profile must name), else the one on PATH, else where packages put it."""
+    import shutil
+    import sys
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "egressbox" and os.path.isfile(argv0):
+        return os.path.realpath(argv0)
+    found = shutil.which("egressbox")
+    return os.path.realpath(found) if found else DEFAULT_ENTRY_POINT
+
+
+# /proc/self/status fields read as numbers (CapEff is hexadecimal).
+_STATUS_BASES = {"Seccomp": 10, "Seccomp_filters": 10, "CapEff": 16}
+
+
+def _status_numbers() -> dict[str, int]:
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                name, _, value = line.partition(":")
+                if name in _STATUS_BASES:
+                    with contextlib.suppress(ValueError):
+                        found[name] = int(value.strip(), _STATUS_BASES[name])
+    except OSError:
+        pass
+    return found
+
+
+def _uid_map() -> tuple[tuple[int, int, int], ...]:
+    try:
+        with open("/proc/self/uid_map", encoding="ascii") as handle:
+            rows = [line.split() for line in handle]
+    except OSError:
+        return ()
+    try:
+        return tuple((int(a), int(b), int(c)) for a, b, c in rows)
+    except ValueError:
+        return ()
+
+
+def _sysctl_int(name: str) -> int | None:
+    text = _read_sysctl(name)
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def _read_sysctl(name: str) -> str | None:

@@ -399,9 +399,20 @@ def _mechanisms(
         raise RunRefusedError(refusals + extra)
     _refuse_open_network(chosen, options)
     warnings += _refuse_unconfinable(options, chosen)
+    if Mechanism.NETWORK_NAMESPACE in wanted(profile) - chosen:
+        warnings += _namespace_blocker_line()
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
     return profile, chosen, warnings
+
+
+def _namespace_blocker_line() -> list[str]:
+    """One line for a run that falls back without namespaces: what blocks them and the fix
+    (a test unshare in a child and a few /proc reads: only on this path)."""
+    from egressbox.confine.probe import namespace_blocker
+
+    found = namespace_blocker()
+    return [found.line()] if found is not None else []
 
 
 def _environment(
