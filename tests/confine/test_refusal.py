@@ -4,6 +4,8 @@ filesystem is a dictionary here."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,8 +61,12 @@ def lookup(path: str) -> HostPath:
     if path in HOST:
         return HOST[path]
     parent = path.rsplit("/", 1)[0] or "/"
-    known_dirs = {"/etc", "/tmp/ws", "/tmp/ro", WORK, HOME, "/srv", "/root", "/tmp/host-only"}
+    known_dirs = {"/", "/etc", "/tmp/ws", "/tmp/ro", WORK, HOME, "/srv", "/root", "/tmp/host-only"}
     return HostPath(False, parent_exists=parent in known_dirs or parent in HOST)
+
+
+# The plan with a mount namespace: nothing of the host exists in the child but the grants.
+ROOTED = replace(PLAN, hidden=("/",))
 
 
 def classify(text: str, plan: PathPlan = PLAN) -> RefusalRecord | None:
@@ -239,12 +245,84 @@ def test_granted_or_absent_paths_are_not_blamed(text: str) -> None:
     assert classify(text) is None
 
 
-def test_read_refused_outside_home_is_unknown_with_a_hint() -> None:
+@pytest.mark.parametrize(
+    "text",
+    [
+        "cat: /nonexistent.txt: No such file or directory",
+        "FileNotFoundError: [Errno 2] No such file or directory: '/nothere'",
+        "ls: cannot access '/srv/nothere': No such file or directory",
+        "sh: 1: nosuchcmd: not found",
+        "sh: 1: /opt/missing-tool: not found",
+        "FAILED tests/test_x.py::test_y - AssertionError: assert 1 == 2",
+    ],
+)
+def test_a_path_the_host_lacks_too_is_not_found_not_a_boundary(text: str) -> None:
+    assert classify(text, ROOTED) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "hint"),
+    [
+        # a program the host has, outside every root: the shell cannot find it
+        (
+            "sh: 1: /srv/private/data: not found",
+            "/srv/private/data",
+            "--read-root /srv/private/data",
+        ),
+        # an existing file: exactly that file
+        (
+            "touch: cannot touch '/etc/hosts': Permission denied",
+            "/etc/hosts",
+            "--write-root /etc/hosts",
+        ),
+        # a new file: its directory
+        (
+            "touch: cannot touch '/etc/new': Permission denied",
+            "/etc/new",
+            "--write-root /etc admits",
+        ),
+        # a new file directly in / or in the home directory: no grant suggested
+        ("touch: cannot touch '/newfile': Permission denied", "/newfile", "no grant is suggested"),
+        (
+            f"touch: cannot touch '{HOME}/x': Permission denied",
+            f"{HOME}/x",
+            "no grant is suggested",
+        ),
+    ],
+)
+def test_hints_admit_exactly_the_path_never_root_or_home(text: str, path: str, hint: str) -> None:
+    record = classify(text, ROOTED)
+    assert record is not None and record.paths == (path,), record
+    assert hint in record.hint, record.hint
+    assert "--write-root / " not in record.hint and f"--write-root {HOME} " not in record.hint
+    assert "--read-root / " not in record.hint and "--read-root /home " not in record.hint
+
+
+def test_a_namespace_refused_under_seccomp_is_seccomp() -> None:
+    from egressbox.confine.refusal import classify_namespace
+
+    text = "unshare: unshare failed: Operation not permitted\n"
+    record = classify_namespace(text, PathPlan(seccomp=True))
+    assert record is not None and record.boundary == "seccomp"
+    assert record.evidence == ("unshare: unshare failed: Operation not permitted",)
+    assert classify_namespace(text, PathPlan(seccomp=False)) is None
+    assert classify_namespace("touch: /x: Operation not permitted", PathPlan(seccomp=True)) is None
+
+
+def test_python_file_not_found_is_no_failed_lookup() -> None:
+    from egressbox.confine.refusal import classify_direct
+
+    text = "FileNotFoundError: [Errno 2] No such file or directory: '/nothere'"
+    assert classify_direct(text, "127.0.0.1:1") is None
+    assert classify_direct("Error: getaddrinfo ENOTFOUND pypi.org", "127.0.0.1:1") is not None
+
+
+def test_read_refused_outside_home_is_read_with_a_hint_for_that_path() -> None:
     record = classify("cat: /srv/private/data: Permission denied")
     assert record is not None
-    assert record.boundary == "unknown"
+    assert record.boundary == "read"
     assert record.paths == ("/srv/private/data",)
-    assert "--read-root /srv/private" in record.hint
+    assert record.hint.endswith("--read-root /srv/private/data admits it")
 
 
 def test_without_landlock_or_mounts_nothing_on_the_filesystem_is_blamed() -> None:
@@ -303,7 +381,9 @@ def test_each_path_is_looked_up_once() -> None:
 def test_line_keeps_the_egress_unknown_and_timeout_forms() -> None:
     egress = RefusalRecord(Boundary.EGRESS, ("a.test:443 (no_allow_rule)",))
     assert egress.line(22) == "command exited 22; refused by egress: a.test:443 (no_allow_rule)"
-    assert RefusalRecord(Boundary.UNKNOWN).line(3) == "command exited 3; refused by unknown"
+    # Never "refused by" without evidence.
+    unknown = RefusalRecord(Boundary.UNKNOWN).line(3)
+    assert unknown == "command exited 3; egressbox cannot tell whether a boundary refused it"
     timeout = RefusalRecord(Boundary.TIMEOUT, timeout=1.5)
     assert timeout.line(124) == "command exited 124; the timeout of 1.5 s expired"
 

@@ -10,6 +10,7 @@ against the run's confinement plan:
 
 - a path on the credential read-deny list (that exists on the host) -> `home_read`;
 - a read refused under a home directory that the plan does not make readable -> `home_read`;
+- a read refused elsewhere outside the read roots (the path exists on the host) -> `read`;
 - a write (EROFS, a write verb, a file being created, or a refusal of a path the
   plan lets the command read) where the plan does not allow writing -> `write`;
 - a unix socket of the host that the plan hides, or an abstract socket name
@@ -18,7 +19,15 @@ against the run's confinement plan:
   `caches`, from confine/toolchains.py) -> `toolchain_cache`, naming the variable.
 
 A command killed by SIGSYS met the seccomp filter (`seccomp`); the kernel's audit record of
-the kill, when the caller can read it, names the system call (`seccomp_kills`).
+the kill, when the caller can read it, names the system call (`seccomp_kills`). A namespace
+refused with EPERM (`unshare: unshare failed: Operation not permitted`) under the filter is
+`seccomp` too.
+
+Evidence only: a path missing on the host as well is "not found", the command's own business,
+never blamed on a boundary; a failure that shows no refusal gets no record at all (`run` then
+reports the exit status and nothing else). A hint names exactly the path refused (its
+directory only when the path is to be created), never `/`, a home directory or one of its
+parents: granting those would open far more than the command asked for.
 
 A path the plan grants is the command's own business and is never blamed on
 a boundary. What the host's filesystem says about a path (exists, socket,
@@ -44,6 +53,7 @@ class Boundary(StrEnum):
     EGRESS = "egress"
     LOCAL_SOCKET = "local_socket"
     HOME_READ = "home_read"
+    READ = "read"  # outside the read roots, not under a home directory
     WRITE = "write"
     TOOLCHAIN_CACHE = "toolchain_cache"
     SECCOMP = "seccomp"
@@ -103,6 +113,12 @@ def _patterns() -> _Patterns:
         # A bare absolute or ~-relative path, not inside a URL or word.
         bare=re.compile(r"(?<![\w:/~.@-])(~?/[^\s'\"`,;()\[\]{}<>|]{0,1024})"),
         newline=re.compile(r"\r\n|\r|\n"),
+        # A POSIX shell (dash, busybox) that could not find a program by its path:
+        # `sh: 1: /opt/tool: not found`.
+        shell_missing=re.compile(r":\s*not found\s*$", re.IGNORECASE),
+        # A namespace refused: util-linux `unshare: unshare failed: Operation not permitted`,
+        # Python's `PermissionError: [Errno 1] Operation not permitted` after os.unshare.
+        namespace=re.compile(r"\b(?:unshare|setns|clone3?)\b.*operation not permitted", re.I),
     )
 
 
@@ -116,6 +132,8 @@ class _Patterns:
     quoted: re.Pattern[str]
     bare: re.Pattern[str]
     newline: re.Pattern[str]
+    shell_missing: re.Pattern[str]
+    namespace: re.Pattern[str]
 
 
 _TRAILING = ".:,;)]}'\""
@@ -162,6 +180,7 @@ class PathPlan:
     cache_mode: CacheMode = CacheMode.SCRATCH
     cwd: str = ""  # the command's working directory: relative paths are judged from it
     read_only_workspaces: tuple[str, ...] = ()  # --read-only-workspace
+    seccomp: bool = False  # the filter applied (it refuses new namespaces with EPERM)
 
     def denied(self, path: str) -> bool:
         return _under_any(path, self.deny)
@@ -207,7 +226,7 @@ class Finding:
 class RefusalRecord:
     """Which boundary refused the child when it failed, and the evidence for it."""
 
-    boundary: str  # a Boundary value: egress | local_socket | home_read | write | timeout | unknown
+    boundary: str  # a Boundary value: egress | local_socket | home_read | read | write | ...
     destinations: tuple[str, ...] = ()  # egress: host:port (reason) the proxy denied
     timeout: float | None = None  # boundary "timeout": the seconds that expired
     paths: tuple[str, ...] = ()  # local_socket, home_read, write, toolchain_cache: the paths
@@ -222,9 +241,20 @@ class RefusalRecord:
     variable: str = ""  # toolchain_cache: the cache variable (GOMODCACHE, npm_config_cache...)
     system_call: str = ""  # seccomp: the system call, when the kernel's record was readable
 
+    @property
+    def mechanism(self) -> str:
+        """Harn's name for the field: the boundary that refused the command."""
+        return self.boundary
+
     def line(self, code: int) -> str:
         if self.boundary == Boundary.TIMEOUT:
             return f"command exited {code}; the timeout of {self.timeout:g} s expired"
+        if self.boundary == Boundary.UNKNOWN and not self.paths:
+            # No boundary shown: say so, never "refused by" without evidence.
+            tail = f" ({self.hint})" if self.hint else ""
+            return (
+                f"command exited {code}; egressbox cannot tell whether a boundary refused it{tail}"
+            )
         named = self.paths or self.destinations or ((self.system_call,) if self.system_call else ())
         shown = ", ".join(named[:LINE_PATHS])
         if len(named) > LINE_PATHS:
@@ -251,13 +281,14 @@ def error_lines(text: str) -> list[ErrorLine]:
     found = []
     for line in clean_lines(text):
         match = _patterns().errno.search(line)
-        if match is None:
+        missing = match is None and _patterns().shell_missing.search(line) is not None
+        if match is None and not missing:
             continue
         paths = extract_paths(line)
         relative = relative_paths(line)
         if not paths and not relative:
             continue
-        word = match.group(0)
+        word = match.group(0) if match is not None else "no such file or directory"
         errno = word.upper() if word.upper() in ERRNO_NAMES else ERRNO_TEXTS[word.lower()]
         writes = bool(_patterns().write_verb.search(line))
         found.append(ErrorLine(errno, paths, line, writes, relative))
@@ -358,7 +389,7 @@ def _judge_socket(error: ErrorLine, path: str, plan: PathPlan) -> Finding | None
         return _finding(error, path, Boundary.LOCAL_SOCKET, _HINT_ABSTRACT) if abstract else None
     if plan.visible(path) and not plan.denied(path):
         return None  # reachable: a refused connection is the server's business
-    hint = f"--read-root {posixpath.dirname(path)} admits it"
+    hint = _admits("--unix-socket-root", posixpath.dirname(path), plan)
     return _finding(error, path, Boundary.LOCAL_SOCKET, hint)
 
 
@@ -368,14 +399,19 @@ def _finding(error: ErrorLine, path: str, boundary: Boundary, hint: str) -> Find
 
 def _judge_missing(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding | None:
     # Missing in the child but present on the host: it was not granted, so it does not exist
-    # in the child's constructed view. A file the host lacks in a directory the host has (but
-    # the child does not) was being created there: nothing else fails only in the child.
-    there = host.exists or host.parent_exists
-    if not there or plan.visible(path):
+    # in the child's constructed view. A file the host lacks is "not found" for a read (the
+    # host lacks it too: no boundary); for a write (the wording says so) in a directory the
+    # host has but the child's view lacks, the creation failed for want of that directory.
+    if plan.visible(path):
         return None
-    if error.writes or not host.exists:
+    if host.exists:
+        if error.writes:
+            return _finding(error, path, Boundary.WRITE, _write_hint(path, host, plan))
+        return _read_refusal(error, path, host, plan)
+    parent = posixpath.dirname(path)
+    if error.writes and host.parent_exists and not plan.visible(parent):
         return _finding(error, path, Boundary.WRITE, _write_hint(path, host, plan))
-    return _read_refusal(error, path, host, plan)
+    return None
 
 
 def _judge_refused(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding | None:
@@ -397,12 +433,9 @@ def _judge_refused(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) 
 
 
 def _read_refusal(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding:
-    root = path if host.is_dir else posixpath.dirname(path)
-    if plan.under_home(path):
-        return _finding(error, path, Boundary.HOME_READ, f"--read-root {root} admits it")
-    # Refused by the plan, but not at one of the named boundaries.
-    hint = f"{path} is outside the read roots; --read-root {root} admits it"
-    return _finding(error, path, Boundary.UNKNOWN, hint)
+    boundary = Boundary.HOME_READ if plan.under_home(path) else Boundary.READ
+    where = "" if boundary is Boundary.HOME_READ else f"{path} is outside the read roots; "
+    return _finding(error, path, boundary, where + _admits("--read-root", path, plan))
 
 
 def _write_hint(path: str, host: HostPath, plan: PathPlan) -> str:
@@ -413,8 +446,23 @@ def _write_hint(path: str, host: HostPath, plan: PathPlan) -> str:
     nested = [r for r in plan.read_only if _is_under(path, r)]
     if nested:
         return f"it is inside the read-only root {nested[0]}"
-    root = path if host.is_dir else posixpath.dirname(path)
-    return f"--write-root {root} admits it"
+    # An existing file or directory is granted as it is; a new one needs its directory.
+    target = path if host.exists else posixpath.dirname(path)
+    return _admits("--write-root", target, plan)
+
+
+def _admits(flag: str, target: str, plan: PathPlan) -> str:
+    """`FLAG TARGET admits it`, unless TARGET is `/`, a home directory or a parent of one:
+    such a grant would open far more than the one path the command asked for."""
+    too_wide = target == "/" or any(
+        home not in ("", "/") and _is_under(home, target) for home in plan.homes
+    )
+    if too_wide:
+        return (
+            f"no grant is suggested: granting {target} would open far more than the command "
+            "asked for; use a path inside the roots (the workspace, $TMPDIR) instead"
+        )
+    return f"{flag} {target} admits it"
 
 
 _HINT_DENY = "credential paths are never readable: the deny list always wins"
@@ -448,7 +496,8 @@ def classify_output(
                 findings.append(_as_cache(found, plan, lookup))
     if not findings:
         return None
-    named = [f for f in findings if f.boundary is not Boundary.UNKNOWN]
+    # A read outside the roots is the weakest evidence: a named boundary after it decides.
+    named = [f for f in findings if f.boundary not in (Boundary.READ, Boundary.UNKNOWN)]
     last = (named or findings)[-1]
     same = [f for f in findings if f.boundary is last.boundary]
     return RefusalRecord(
@@ -478,6 +527,24 @@ def _as_cache(found: Finding, plan: PathPlan, lookup: Callable[[str], HostPath])
     return replace(found, boundary=Boundary.TOOLCHAIN_CACHE, hint=hint, variable=root.variable)
 
 
+_HINT_NAMESPACE = (
+    "the seccomp filter refuses new namespaces (unshare, setns, clone with CLONE_NEW*) with "
+    "EPERM, so no sandbox or container is built inside run; nothing admits it"
+)
+
+
+def classify_namespace(text: str, plan: PathPlan) -> RefusalRecord | None:
+    """A record for a command refused a new namespace by the seccomp filter, else None."""
+    if not plan.seccomp:
+        return None
+    for line in reversed(clean_lines(text[-TAIL_BYTES:])):
+        if _patterns().namespace.search(line):
+            return RefusalRecord(
+                Boundary.SECCOMP, source=SOURCE_OUTPUT, hint=_HINT_NAMESPACE, evidence=(line,)
+            )
+    return None
+
+
 # -- connections made without the proxy ------------------------------------------------------
 
 # What clients print when a connection or a name lookup fails (glibc, Python, curl, Go, Node,
@@ -503,6 +570,14 @@ _LOOKUP_TEXTS = (
 )
 
 
+@functools.cache
+def _words(texts: tuple[str, ...]) -> re.Pattern[str]:
+    """The texts as whole words: Node's ENOTFOUND is no part of Python's FileNotFoundError."""
+    import re
+
+    return re.compile("|".join(rf"(?<![\w]){re.escape(t)}(?![\w])" for t in texts))
+
+
 def classify_direct(text: str, proxy: str) -> RefusalRecord | None:
     """A record for a command that dialled or resolved on its own, else None."""
     lines = clean_lines(text[-TAIL_BYTES:])
@@ -513,13 +588,13 @@ def classify_direct(text: str, proxy: str) -> RefusalRecord | None:
         bare = lowered.endswith("permission denied") and "/" not in line and "'" not in line
         if bare and dialled:
             lowered = "connection refused"
-        if any(t in lowered for t in _LOOKUP_TEXTS):
+        if _words(_LOOKUP_TEXTS).search(lowered):
             hint = (
                 f"no name resolution inside run: only the proxy at {proxy} is reachable, and it "
                 "resolves names itself; use the proxy variables set in the environment"
             )
             return RefusalRecord(Boundary.EGRESS, source=SOURCE_OUTPUT, hint=hint, evidence=(line,))
-        if any(t in lowered for t in _DIRECT_TEXTS):
+        if _words(_DIRECT_TEXTS).search(lowered):
             hint = (
                 f"direct connection refused: only the proxy at {proxy} is reachable; "
                 "use the proxy variables set in the environment (http_proxy, ALL_PROXY...)"

@@ -363,18 +363,21 @@ def classify_refusal(
     lookup: Callable[[str], HostPath] | None = None,
     *,
     proxy: str = "",
-) -> RefusalRecord:
-    """Which boundary most likely refused a failing child.
+) -> RefusalRecord | None:
+    """Which boundary refused a failing child, or None when nothing shows one did.
 
-    The proxy's denials come first (egress); then the command's own error
-    output (`stderr`, its tail) judged against the run's `plan`
-    (confine/refusal.py); no evidence: unknown.
+    Evidence only: the proxy's denials during the run (egress); then the command's own error
+    output (`stderr`, its tail) judged against the run's `plan` (confine/refusal.py): a path
+    refused outside the grants, a namespace refused by the seccomp filter, a connection made
+    without the proxy. A command that failed for its own reasons (`false`, a failing test
+    suite, a missing file the host lacks too, SIGINT) gets no record.
     """
     from egressbox.confine.refusal import (
         SOURCE_AUDIT,
         Boundary,
         RefusalRecord,
         classify_direct,
+        classify_namespace,
         classify_output,
     )
 
@@ -383,16 +386,13 @@ def classify_refusal(
         seen = dict.fromkeys(f"{r.host}:{r.port} ({r.reason.value})" for r in denied)
         return RefusalRecord(Boundary.EGRESS, tuple(seen), source=SOURCE_AUDIT)
     del code
-    if stderr and plan is not None:
-        text = stderr.decode("utf-8", "replace")
-        found = classify_output(text, plan, lookup or host_path)
-        if found is not None:
-            return found
-        if proxy:  # a private network namespace: the proxy is all there is
-            direct = classify_direct(text, proxy)
-            if direct is not None:
-                return direct
-    return RefusalRecord(Boundary.UNKNOWN)
+    if not stderr or plan is None:
+        return None
+    text = stderr.decode("utf-8", "replace")
+    found = classify_output(text, plan, lookup or host_path) or classify_namespace(text, plan)
+    if found is None and proxy:  # a private network namespace: the proxy is all there is
+        found = classify_direct(text, proxy)
+    return found
 
 
 def path_plan(prepared: Prepared) -> PathPlan:
@@ -426,6 +426,7 @@ def path_plan(prepared: Prepared) -> PathPlan:
         cache_mode=prepared.cache_mode,
         cwd=plan.cwd,
         read_only_workspaces=prepared.read_only_workspaces,
+        seccomp=plan.has(Mechanism.SECCOMP),
     )
 
 
@@ -556,25 +557,25 @@ def _refusal(
     stderr: bytes | None,
     prepared: Prepared,
     launched: Launched,
-) -> RefusalRecord:
-    """The record of a failed run, with Harn's requirement and selector fields."""
-    import dataclasses
-
-    from egressbox.confine.refusal import Boundary, with_requirement
+) -> RefusalRecord | None:
+    """The record of a failed run, with Harn's requirement and selector fields; None when
+    nothing shows a boundary refused it (the exit status says the rest)."""
+    from egressbox.confine.refusal import Boundary, RefusalRecord, with_requirement
 
     if code == EXIT_SIGSYS:
-        record = seccomp_refusal(prepared.started)
+        record: RefusalRecord | None = seccomp_refusal(prepared.started)
     else:
         proxy = launched.proxy_text if prepared.plan.has(Mechanism.NETWORK_NAMESPACE) else ""
         record = classify_refusal(records, code, stderr, path_plan(prepared), proxy=proxy)
-    if record.boundary == Boundary.UNKNOWN and prepared.foreign_locale and not record.hint:
+    if record is None and prepared.foreign_locale and stderr:
+        # Something was said, in words egressbox cannot read: say that, not a boundary.
         hint = (
             f"the command's messages are in {prepared.foreign_locale} (LC_ALL/LC_MESSAGES), and "
             "egressbox reads only English error texts: set LC_MESSAGES=C for it to name a "
-            "boundary"
+            "boundary if one refused it"
         )
-        record = dataclasses.replace(record, hint=hint)
-    return with_requirement(record, prepared.profile.value)
+        record = RefusalRecord(Boundary.UNKNOWN, hint=hint)
+    return with_requirement(record, prepared.profile.value) if record is not None else None
 
 
 # A command (or the shell that ran it) that died from SIGSYS, as `run` reports it.
