@@ -246,6 +246,8 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         process_write_roots=roots.process_write,
     )
     warnings += _denied_roots(roots, fs)
+    if Mechanism.MOUNT_NAMESPACE not in chosen:
+        fs = fs._replace(write=host_devices(fs.write))
     _refuse_own_state(fs.write, chosen, files=files, own=_own_files(options, home))
     copies: tuple[tuple[str, str], ...] = ()
     notes: list[str] = []
@@ -404,6 +406,26 @@ def _mechanisms(
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
     return profile, chosen, warnings
+
+
+# Without a mount namespace the child sees the host's /dev, and Landlock is the only wall: the
+# grant of /dev (the constructed view's minimal one) becomes these nodes alone (read, write and,
+# from ABI 5, ioctl); every other host device (disks, /dev/kmsg, other users' terminals,
+# /dev/shm) cannot be opened. A command's own terminal is an inherited descriptor.
+HOST_DEVICE_NODES = (
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+    "/dev/tty",
+)
+
+
+def host_devices(write: Sequence[str]) -> tuple[str, ...]:
+    """The write grants with /dev narrowed to the device nodes every program may use."""
+    kept = tuple(path for path in write if path != "/dev")
+    return (*kept, *HOST_DEVICE_NODES) if len(kept) < len(write) else kept
 
 
 def _namespace_blocker_line() -> list[str]:
@@ -1096,6 +1118,7 @@ def enforcement_report(
         )
     network = _network_boundary(chosen)
     rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
+    rows.append(_filesystem_row(chosen))
     if capture_off:
         rows.append(MechanismReport(CAPTURE_ROW, Enforcement.NONE, capture_off))
     else:
@@ -1154,9 +1177,32 @@ def applied_report(
     applied_set = frozenset(m for m, (state, _) in held.items() if state is Enforcement.FULL)
     network = _network_boundary(applied_set)
     rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
+    rows.append(_filesystem_row(applied_set))
     rows.append(_capture_row(applied or {}, capture_off, capture_served))
     rows.append(_memory_row(applied or {}))
     return rows, network
+
+
+# The report's row for the file system as a whole: which wall holds it (the mechanisms' own rows
+# say whether each was applied, so this row is never a gap of its own).
+FILESYSTEM_ROW = "filesystem"
+_LANDLOCK_ONLY = (
+    "Landlock is the only wall: the host's view, limited to the granted roots; of /dev only "
+    + ", ".join(HOST_DEVICE_NODES)
+    + " (no other device opens, so no other device ioctl); metadata changes (chmod, chown, "
+    "utimes) under readable roots are not stopped (Landlock has no right for them up to ABI 7); "
+    "the workspace is written directly"
+)
+
+
+def _filesystem_row(held: frozenset[Mechanism]) -> MechanismReport:
+    if Mechanism.MOUNT_NAMESPACE in held:
+        walls = "; Landlock as a second wall" if Mechanism.LANDLOCK_FS in held else ""
+        detail = f"a constructed root: only what is granted exists{walls}"
+        return MechanismReport(FILESYSTEM_ROW, Enforcement.FULL, detail)
+    if Mechanism.LANDLOCK_FS in held:
+        return MechanismReport(FILESYSTEM_ROW, Enforcement.PARTIAL, _LANDLOCK_ONLY)
+    return MechanismReport(FILESYSTEM_ROW, Enforcement.NONE, "no filesystem rules")
 
 
 # The report's row for the run's memory budget: what bounds it, never a confinement gap.

@@ -18,7 +18,13 @@ from egressbox.confine.plan import (
 from egressbox.core.errors import EgressboxError
 from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE
 from egressbox.runner import zygote
-from egressbox.runner.assemble import CAPTURE_ROW, MEMORY_ROW, Prepared, applied_report
+from egressbox.runner.assemble import (
+    CAPTURE_ROW,
+    FILESYSTEM_ROW,
+    MEMORY_ROW,
+    Prepared,
+    applied_report,
+)
 from egressbox.runner.options import KILL_GRACE, LAUNCHER_TIMEOUT, RunOptions, write_err
 from egressbox.runner.terminal import (
     StderrTee,
@@ -44,7 +50,7 @@ def confirm(prepared: Prepared, launched: Launched, options: RunOptions) -> None
         row.mechanism
         for row in prepared.report
         if row.enforcement is not Enforcement.FULL
-        and row.mechanism not in ("network_boundary", CAPTURE_ROW, MEMORY_ROW)
+        and row.mechanism not in ("network_boundary", CAPTURE_ROW, MEMORY_ROW, FILESYSTEM_ROW)
         and not (options.allow_loopback and row.mechanism == Mechanism.LANDLOCK_NET.value)
     ]
     if gaps:
