@@ -64,7 +64,10 @@ def _terminal_columns() -> int:
 
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from egressbox.cli.examples import epilog
+
         kwargs.setdefault("formatter_class", _Formatter)
+        kwargs.setdefault("epilog", epilog(kwargs.get("prog")))  # `--help` ends with examples
         super().__init__(*args, **kwargs)
 
 

@@ -78,7 +78,10 @@ FILE is a log, '-' for standard input, a directory (its *.jsonl logs) or a quote
 glob. Rotated files (audit.jsonl.1, audit.jsonl.2.gz ...) and gzip are read too;
 --rotated adds FILE's rotated siblings, oldest first. Malformed lines are reported
 on stderr as FILE:LINE and skipped.
+"""
 
+# The end of `egressbox audit --help` (tests/cli/test_help_examples.py parses each line).
+EXAMPLES = """\
 examples:
   egressbox audit audit.jsonl --decision deny --since 2h
   egressbox audit --rotated audit.jsonl --summary
@@ -132,6 +135,7 @@ def add_parser(sub: Subparsers) -> None:
         "audit",
         help="read, filter, summarize or follow audit logs; suggest a policy from them",
         description=DESCRIPTION,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure(p)
@@ -655,6 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="egressbox audit",
         description=DESCRIPTION,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure(parser)
