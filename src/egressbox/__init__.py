@@ -81,7 +81,6 @@ _EXPORTS = {
     "spawn_confined": "egressbox.runner.api",
     "ConfinedProcess": "egressbox.runner.api",
     "RunResult": "egressbox.runner.options",
-    "RunRefusedError": "egressbox.runner.options",
     "RefusalRecord": "egressbox.confine.refusal",
     "Resolver": "egressbox.net.resolve",
 }
@@ -100,7 +99,6 @@ __all__ = [
     "Reason",
     "RefusalRecord",
     "Resolver",
-    "RunRefusedError",
     "RunResult",
     "SelfEndpoints",
     "Verdict",
@@ -123,7 +121,7 @@ if TYPE_CHECKING:
     from egressbox.proxy.check import check
     from egressbox.proxy.server import EgressProxy
     from egressbox.runner.api import ConfinedProcess, run, run_sync, spawn_confined
-    from egressbox.runner.options import RunRefusedError, RunResult
+    from egressbox.runner.options import RunResult
 
 
 def __getattr__(name: str) -> Any:
