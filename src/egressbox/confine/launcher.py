@@ -101,6 +101,10 @@ class LaunchPlan(NamedTuple):
     # The staged workspace (confine/staging.py): each of its directories is an overlay whose
     # upper is the run's layer; None: writable grants are bound read-write (direct).
     staged: StagingSpec | None = None
+    # Without a network namespace: the connect filter (confine/notify.py) loaded just before the
+    # main seccomp filter; its notification fd goes to the parent, whose supervisor connects
+    # the command's sockets (runner/notify.py). Empty: no supervisor.
+    connect_filter: bytes = b""
 
     def has(self, mechanism: Mechanism) -> bool:
         return mechanism.value in self.mechanisms
@@ -168,6 +172,10 @@ def _preload(plan: LaunchPlan) -> None:
         from egressbox.confine import seccomp
 
         del seccomp
+    if plan.connect_filter:
+        from egressbox.confine import notify
+
+        del notify
     if plan.capture:
         from egressbox.confine import capture
 
@@ -598,6 +606,8 @@ def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any, chan: int
     applied["landlock"] = _landlock(plan, ports)
     keep = (*plan.pass_fds, plan.report_fd) if plan.report_fd >= 0 else plan.pass_fds
     _close_fds((*keep, chan) if chan >= 0 else keep)  # the channel until the exec
+    if plan.connect_filter:
+        applied["connect_supervisor"] = _connect_filter(plan, chan)
     applied["seccomp"] = _seccomp(plan, prepared)
 
 
@@ -636,6 +646,31 @@ def _seccomp(plan: LaunchPlan, prepared: Any) -> str:
     if report.status == "none":
         _no_new_privs()
     return str(report.status)
+
+
+def _connect_filter(plan: LaunchPlan, chan: int) -> dict[str, str]:
+    """Load the connect filter and hand its notification fd to the parent, which is waiting
+    for it before it says "go". Loaded before the main filter, so that filter need not admit
+    seccomp(2); a failure is said to the parent (best effort) or refuses (os_hardened)."""
+    from egressbox.confine import notify
+
+    sock = socket.socket(fileno=os.dup(chan))
+    try:
+        try:
+            fd = notify.load(plan.connect_filter)
+        except OSError as exc:
+            why = f"loading the connect filter failed: {exc.strerror or exc}"
+            _tell(sock, {"event": "notify", "message": why})
+            if not plan.best_effort:
+                raise LaunchError(why) from None
+            return {"status": "none", "reason": why}
+        try:
+            netns.send_message(sock, {"event": "notify"}, [fd])
+        finally:
+            os.close(fd)  # the parent's copy is the only listener: it dies with the parent
+    finally:
+        sock.close()
+    return {"status": "full"}
 
 
 def _report_applied(plan: LaunchPlan) -> None:

@@ -22,6 +22,7 @@ from egressbox.core.errors import AuditError, Reason, Verdict
 from egressbox.core.hosts import INVALID_HOST_TEXT
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.dial import DialError
+from egressbox.net.original import Destinations
 from egressbox.protocols import http1, socks5
 from egressbox.protocols.proxy_header import (
     IPNetwork,
@@ -220,15 +221,18 @@ class SocksConnection(_Lingering):
 
 class CapturedConnection(Connection):
     """A connection the child made without the proxy, redirected to the capture listener in
-    its namespace (`run` with capture). Its original destination is the request: a synthetic
-    address maps back to the name the child looked up (decided as `name:port`), any other
-    address is an IP-literal request. Nothing is answered: an allowed connection simply
-    works (dialled to the checked addresses, its TLS name checked); a refused one is reset."""
+    its namespace (`run` with capture), or connected there by the connect supervisor when it
+    has no namespace (its destination then from `destinations`). Its original destination is
+    the request: a synthetic address maps back to the name the child looked up (decided as
+    `name:port`), any other address is an IP-literal request. Nothing is answered: an allowed
+    connection simply works (dialled to the checked addresses, its TLS name checked); a
+    refused one is reset."""
 
     protocol_name = _TCP
 
-    def __init__(self, state: ProxyState) -> None:
+    def __init__(self, state: ProxyState, destinations: Destinations | None = None) -> None:
         super().__init__(state)
+        self.destinations = destinations
         self.early = b""  # bytes the child sent before the decision began
         self.begun = False
 
@@ -252,10 +256,11 @@ class CapturedConnection(Connection):
 
     def _destination(self) -> tuple[str, int]:
         from egressbox.core.synthetic import is_synthetic
-        from egressbox.net.original import original_destination
+        from egressbox.net.original import destination_of
 
         assert self.transport is not None
-        address, port = original_destination(self.transport.get_extra_info("socket"))
+        sock = self.transport.get_extra_info("socket")
+        address, port = destination_of(sock, self.destinations)
         ip = ipaddress.ip_address(address)
         names = self.state.synthetic
         name = names.name_for(ip) if names is not None else None

@@ -37,6 +37,7 @@ from egressbox.core.policy import Policy
 from egressbox.core.synthetic import SyntheticNames
 from egressbox.core.upstream import UpstreamProxy
 from egressbox.net.netinfo import local_addresses
+from egressbox.net.original import Destinations
 
 # Imported at run time: compiled dataclasses resolve their field types.
 from egressbox.net.resolve import DnsMeter, Resolution, Resolver
@@ -125,6 +126,7 @@ class EgressProxy:
         capture_sockets: Sequence[socket.socket] = (),
         dns_sockets: Sequence[socket.socket] = (),
         synthetic: SyntheticNames | None = None,
+        destinations: Destinations | None = None,
         meter: Meter | None = None,
         on_miss: Decider | None = None,
         ask_timeout: float = DEFAULT_ASK_TIMEOUT,
@@ -135,8 +137,10 @@ class EgressProxy:
         """`log` gets one line per connection; with `log_allowed` False only refusals (the
         audit records have everything). `capture_sockets` (listeners a child's connections
         are redirected to) and `dns_sockets` (UDP sockets and TCP listeners of its DNS) serve
-        `run` with capture; `synthetic` is the names they share. `meter` (serve --admin)
-        counts decisions, audit failures, relayed bytes and the own resolver's queries.
+        `run` with capture; `synthetic` is the names they share; `destinations` where
+        the connect supervisor's captured connections were going (run without a namespace).
+        `meter` (serve --admin) counts decisions, audit failures, relayed bytes and the own
+        resolver's queries.
         `on_miss` is asked about a destination no allow entry admits (proxy/approval.py:
         deny, once or session; no answer within `ask_timeout` seconds denies).
         `proxy_protocol_from` (CIDR texts; None: off) makes the HTTP and SOCKS5 listeners
@@ -151,6 +155,7 @@ class EgressProxy:
         self._ports = {"http": http_port, "socks5": socks_port}
         self._given = {"http": list(http_sockets), "socks5": list(socks_sockets)}
         self._capture = list(capture_sockets)
+        self._destinations = destinations
         self._dns = list(dns_sockets)
         self._dns_udp: list[asyncio.DatagramTransport] = []
         self._own_resolver = resolver is None
@@ -213,7 +218,9 @@ class EgressProxy:
         loop = asyncio.get_running_loop()
         for sock in self._capture:
             server = await loop.create_server(
-                lambda: CapturedConnection(state), sock=sock, backlog=LISTEN_BACKLOG
+                lambda: CapturedConnection(state, self._destinations),
+                sock=sock,
+                backlog=LISTEN_BACKLOG,
             )
             self._servers.append(server)
         if not self._dns:

@@ -143,6 +143,9 @@ class Prepared:
         self.created_watch = ()
         self.guard = None
         self.capture_off = ""
+        # Without a namespace, with the connect supervisor: the capture listener on the host's
+        # loopback (runner/spawn.py gives it to the proxy).
+        self.host_capture: socket.socket | None = None
         self.announcements = []
         self.caches = ()
         self.cache_mode = CacheMode.SCRATCH
@@ -257,6 +260,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         )
     capture_off = _capture_off(options, chosen, facts)
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
+    supervised = Mechanism.NETWORK_NAMESPACE not in chosen and not _connects_off(chosen)
     plan = _launch_plan(
         options,
         chosen,
@@ -282,6 +286,8 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     try:
         if Mechanism.SECCOMP in chosen:
             plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
+        if supervised:
+            plan = _supervised(plan)
         prepared = _finish(
             options,
             start,
@@ -299,7 +305,45 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         raise
     if options.announce:
         prepared.announcements += notes
+    if supervised and not capture_off:
+        prepared.host_capture = _host_capture()
     return prepared
+
+
+# -- the connect supervisor (no network namespace; confine/notify.py, runner/notify.py) ----
+
+
+def _connects_off(chosen: frozenset[Mechanism]) -> str:
+    """Why this run's connects cannot be supervised without a namespace ("" when they can)."""
+    from egressbox.confine import notify
+
+    if Mechanism.SECCOMP not in chosen:
+        return "the profile applies no seccomp filter"
+    return notify.support()
+
+
+def _supervised(plan: LaunchPlan) -> LaunchPlan:
+    from egressbox.confine import notify
+
+    # No UDP for the command without a namespace: the main filter's plain variant, and the
+    # connect filter refuses non-stream inet sockets itself.
+    program = plan.seccomp_program
+    if plan.capture and program:
+        program = _compiled_seccomp(allow_udp=False)
+    return plan._replace(connect_filter=notify.program(), seccomp_program=program, capture=False)
+
+
+def _host_capture() -> socket.socket:
+    """The capture listener on the host's loopback: the connect supervisor connects every
+    command socket bound elsewhere to it (the proxy learns the destination from its table)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _finish(
@@ -744,7 +788,10 @@ def _capture_off(options: RunOptions, chosen: frozenset[Mechanism], facts: HostF
     if not options.capture:
         return "turned off (--no-capture)"
     if Mechanism.NETWORK_NAMESPACE not in chosen:
-        return "needs a network namespace, which this run does not have"
+        why = _connects_off(chosen)
+        if why:
+            return f"needs a network namespace or the connect supervisor ({why})"
+        return ""
     if CAPTURE_HOST_FACT not in facts.available:
         status = facts.status.get(CAPTURE_HOST_FACT, "absent_on_host")
         return f"unavailable on this host ({status}; egressbox doctor says why)"
@@ -1116,8 +1163,10 @@ def enforcement_report(
                 "applied" if on else "unavailable on this host",
             )
         )
-    network = _network_boundary(chosen)
-    rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
+    connects = {} if Mechanism.NETWORK_NAMESPACE in chosen else _planned_connects(chosen)
+    row = _network_row(chosen, connects)
+    network = row.enforcement
+    rows.append(row)
     rows.append(_filesystem_row(chosen))
     if capture_off:
         rows.append(MechanismReport(CAPTURE_ROW, Enforcement.NONE, capture_off))
@@ -1135,6 +1184,36 @@ CAPTURE_UNSERVED = (
     "question goes unanswered"
 )
 
+
+def _planned_connects(chosen: frozenset[Mechanism]) -> dict[str, str]:
+    why = _connects_off(chosen)
+    return {"status": "none", "reason": why} if why else {"status": "full"}
+
+
+def _network_row(held: frozenset[Mechanism], connects: Mapping[str, Any]) -> MechanismReport:
+    """The network boundary: a namespace, or the connect supervisor (`connects` is what the
+    launcher said of it, {} with a namespace), or Landlock's ports alone and why."""
+    supervised = connects.get("status") == "full"
+    network = _network_boundary(held, supervised=supervised)
+    detail = _NETWORK_DETAIL[network]
+    if supervised and Mechanism.NETWORK_NAMESPACE not in held:
+        detail = _SUPERVISED
+    elif network is Enforcement.PARTIAL and connects.get("reason"):
+        detail += f"; no connect supervisor: {connects['reason']}"
+    return MechanismReport("network_boundary", network, detail)
+
+
+_SUPERVISED = (
+    "no network namespace; every connect is held by egressbox's connect supervisor (seccomp "
+    "user notification), which connects the socket itself: to the proxy, or to the capture "
+    "listener; inet sockets are TCP only: the proxy is the only endpoint"
+)
+_SUPERVISED_CAPTURE = (
+    "every TCP connection not made to the proxy is connected by the connect supervisor to the "
+    "capture listener and decided as tcp with its destination; no DNS capture without a "
+    "namespace: names resolve from the host's files only (UDP sockets are refused)"
+)
+
 _NETWORK_DETAIL = {
     Enforcement.FULL: "a private network namespace: the proxy is the only endpoint",
     Enforcement.PARTIAL: "no network namespace: TCP only, to the proxy's port numbers, "
@@ -1143,8 +1222,8 @@ _NETWORK_DETAIL = {
 }
 
 
-def _network_boundary(chosen: frozenset[Mechanism]) -> Enforcement:
-    if Mechanism.NETWORK_NAMESPACE in chosen:
+def _network_boundary(chosen: frozenset[Mechanism], *, supervised: bool = False) -> Enforcement:
+    if Mechanism.NETWORK_NAMESPACE in chosen or supervised:
         return Enforcement.FULL
     if Mechanism.LANDLOCK_NET in chosen and Mechanism.SECCOMP in chosen:
         return Enforcement.PARTIAL
@@ -1175,10 +1254,17 @@ def applied_report(
             detail = detail or "planned, but not applied"
         rows.append(MechanismReport(mechanism.value, state, detail or "applied"))
     applied_set = frozenset(m for m, (state, _) in held.items() if state is Enforcement.FULL)
-    network = _network_boundary(applied_set)
-    rows.append(MechanismReport("network_boundary", network, _NETWORK_DETAIL[network]))
+    connects = (applied or {}).get("connect_supervisor") or {}
+    if not connects and Mechanism.NETWORK_NAMESPACE not in applied_set:
+        connects = {"status": "none", "reason": _connects_off(chosen) or "not applied"}
+    row = _network_row(applied_set, connects)
+    network = row.enforcement
+    rows.append(row)
     rows.append(_filesystem_row(applied_set))
-    rows.append(_capture_row(applied or {}, capture_off, capture_served))
+    if connects.get("status") == "full" and not capture_off:
+        rows.append(MechanismReport(CAPTURE_ROW, Enforcement.FULL, _SUPERVISED_CAPTURE))
+    else:
+        rows.append(_capture_row(applied or {}, capture_off, capture_served))
     rows.append(_memory_row(applied or {}))
     return rows, network
 

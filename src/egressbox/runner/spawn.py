@@ -8,7 +8,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egressbox.confine import netns
 from egressbox.confine.plan import (
@@ -17,6 +17,7 @@ from egressbox.confine.plan import (
 )
 from egressbox.core.errors import EgressboxError
 from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE
+from egressbox.net.original import Destinations
 from egressbox.runner import zygote
 from egressbox.runner.assemble import (
     CAPTURE_ROW,
@@ -25,6 +26,9 @@ from egressbox.runner.assemble import (
     Prepared,
     applied_report,
 )
+
+if TYPE_CHECKING:
+    from egressbox.runner.notify import ConnectSupervisor
 from egressbox.runner.options import KILL_GRACE, LAUNCHER_TIMEOUT, RunOptions, write_err
 from egressbox.runner.terminal import (
     StderrTee,
@@ -120,6 +124,13 @@ class Launched:
     ports: dict[str, int]
     # The launcher captured and the sockets were kept for this run's proxy (SERVE_CAPTURE).
     capture_served: bool = False
+    # Without a network namespace: the connect supervisor (runner/notify.py), started by go()
+    # when `supervise_connects`; `destinations` is its table, shared with the proxy.
+    supervise_connects: bool = False
+    abstract_allowed: bool = True
+    connects: ConnectSupervisor | None = None
+    destinations: Destinations | None = None
+    connects_off = ""
 
     def __init__(
         self,
@@ -140,10 +151,34 @@ class Launched:
         return [s for s in (self.capture, self.dns_udp, self.dns_tcp) if s is not None]
 
     def close_capture(self) -> None:
-        """Close the capture and DNS sockets nobody took (idempotent)."""
+        """Close the capture and DNS sockets nobody took, and stop the connect supervisor
+        (idempotent)."""
         for sock in self.capture_sockets():
             sock.close()
         self.capture = self.dns_udp = self.dns_tcp = None
+        if self.connects is not None:
+            self.connects.close()
+            self.connects = None
+
+    def _start_connects(self, chan: socket.socket) -> None:
+        """Take the connect filter's notification fd the command sends before it waits for
+        "go", and serve it. Not sent (the filter failed to load: the command then runs with
+        Landlock's ports alone, as its report says; or it died): said in connects_off."""
+        from egressbox.runner.notify import ConnectSupervisor, receive_listener
+
+        try:
+            fd = receive_listener(chan, LAUNCHER_TIMEOUT)
+        except OSError as exc:
+            self.connects_off = str(exc.strerror or exc)
+            return
+        self.connects = ConnectSupervisor(
+            fd,
+            proxy_ports=(self.ports["http"], self.ports["socks"]),
+            capture_port=self.ports.get("capture") if self.capture is not None else None,
+            destinations=self.destinations if self.destinations is not None else Destinations(),
+            abstract_allowed=self.abstract_allowed,
+        )
+        self.connects.start()
 
     def start_timer(self, timeout: float | None) -> None:
         if timeout is not None:
@@ -199,6 +234,8 @@ class Launched:
     def go(self) -> None:
         """Let the launcher start the command."""
         if self.chan is not None:
+            if self.supervise_connects and self.connects is None:
+                self._start_connects(self.chan)
             with contextlib.suppress(OSError):
                 self.chan.send(b"go")
             self.chan.close()
@@ -286,12 +323,27 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
         raise
     parent_chan.settimeout(None)
     launched = _launched(pid, sockets, parent_chan, tee)
+    if prepared.plan.connect_filter:
+        _supervised(launched, prepared)
     launched.stdout_fd, launched.stderr_fd = out_fd, err_fd
     launched.report_fd = report_r
     launched.proxy_text = "{host}:{http} (HTTP) and :{socks} (SOCKS5)".format(
         host=prepared.plan.proxy_host, **launched.ports
     )
     return launched
+
+
+def _supervised(launched: Launched, prepared: Prepared) -> None:
+    """Without a namespace: the connect supervisor starts in go(); the capture listener is
+    the one `prepare` bound on the host's loopback, its destinations from the shared table."""
+    launched.supervise_connects = True
+    launched.abstract_allowed = not prepared.plan.has(Mechanism.LANDLOCK_SCOPE)
+    launched.destinations = Destinations()
+    capture, prepared.host_capture = prepared.host_capture, None
+    if capture is not None:
+        launched.capture = capture
+        launched.ports["capture"] = int(capture.getsockname()[1])
+        launched.capture_served = True
 
 
 def _child_fds(

@@ -88,6 +88,7 @@ def _make_proxy(
         log_allowed=options.log_allowed,
         capture_sockets=capture,
         dns_sockets=dns,
+        destinations=launched.destinations,
         **asking,
     )
     return proxy

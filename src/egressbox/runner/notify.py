@@ -1,0 +1,314 @@
+"""The connect supervisor: the network boundary by address when the command has no network
+namespace (confine/notify.py holds the filter that sends its connects here).
+
+For each held `connect(fd, address, length)`: the address is read ONCE from the command's memory,
+the notification is checked still valid (so the pid read is still that task), the socket is
+taken with pidfd_getfd and OUR copy is connected, then the command is answered with the result.
+The command's connect never runs in the kernel: whatever it writes into its memory afterwards,
+the socket is connected where we decided.
+- the proxy's own address and port (or the same port on ::1 / ::ffff:127.0.0.1): to the proxy,
+  so HTTP_PROXY works;
+- any other TCP destination: to the capture listener, the destination recorded in a side table
+  (net/original.py Destinations) by the socket's local address, bound first so the entry exists
+  before the proxy accepts; the proxy decides it as `tcp` with that destination;
+- unix sockets: connected by us to the same path (a relative one from the command's directory);
+  abstract names only when the command has no Landlock scope (we would step over it);
+- anything else: EAFNOSUPPORT (other families) or EPERM (non-stream inet sockets).
+
+A dedicated thread, not the event loop: notifications come before the loop runs (the command
+connects while `run` waits without asyncio for its first connection), and a blocking connect
+made here must never stall the loop that has to accept it. Signals are blocked in the thread, so
+a connect here is never cut short by one meant for `run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import ipaddress
+import os
+import select
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import Final
+
+from egressbox.confine import notify
+from egressbox.net.original import Destinations
+
+# Longest address a connect may give: sizeof(struct sockaddr_storage) (<sys/socket.h>).
+MAX_SOCKADDR: Final = 128
+SUN_PATH_MAX: Final = 108  # sizeof(sockaddr_un.sun_path)
+_IN: Final = struct.Struct("!2xH4s8x")  # sockaddr_in after the native-order family
+_IN6: Final = struct.Struct("!2xHI16sI")  # sockaddr_in6
+_FAMILY: Final = struct.Struct("=H")
+_U32: Final = 0xFFFFFFFF
+LOOPBACK: Final = "127.0.0.1"
+MAPPED_LOOPBACK: Final = "::ffff:127.0.0.1"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+# A connect asked again while the first is under way keeps its side-table entry.
+_STILL_CONNECTING: Final = frozenset({0, errno.EINPROGRESS, errno.EALREADY, errno.EISCONN})
+
+
+class ConnectSupervisor:
+    """Serves one run's connect notifications on a thread of its own until close()."""
+
+    def __init__(
+        self,
+        listener: int,
+        *,
+        proxy_ports: Sequence[int],
+        capture_port: int | None,
+        destinations: Destinations,
+        abstract_allowed: bool,
+    ) -> None:
+        self._fd = listener
+        self._proxy_ports = frozenset(proxy_ports)
+        self._capture_port = capture_port
+        self.destinations = destinations
+        self._abstract = abstract_allowed
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._serve, name="egressbox-connects", daemon=True)
+        self.handled = 0
+        self.cpu_s = 0.0  # thread CPU time spent on notifications (measured, --report)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread and close the notification fd (idempotent). A command still
+        running then gets ENOSYS from its connects: nothing connects without us."""
+        if self._stop_w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._stop_w, b"x")
+            if self._thread.is_alive():
+                self._thread.join(timeout)
+            for fd in (self._stop_w, self._stop_r, self._fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._stop_w = self._stop_r = self._fd = -1
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        while True:
+            try:
+                events = dict(poller.poll())
+            except InterruptedError:
+                continue
+            if self._stop_r in events:
+                return
+            mask = events.get(self._fd, 0)
+            if mask & select.POLLIN:
+                started = time.thread_time()
+                self._one()
+                self.cpu_s += time.thread_time() - started
+            elif mask & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                return  # every filtered task has exited
+
+    def _one(self) -> None:
+        buffer = bytearray(notify.NOTIF.size)
+        try:
+            fcntl.ioctl(self._fd, notify.IOCTL_NOTIF_RECV, buffer)
+        except OSError:
+            return  # ENOENT: the task died (or its syscall was interrupted) meanwhile
+        ident, pid, _flags, _nr, _arch, _ip, *args = notify.NOTIF.unpack(buffer)
+        err = self._connect(ident, pid, args)
+        if err is None:
+            return  # the notification is gone: nobody to answer
+        self.handled += 1
+        answer = bytearray(notify.NOTIF_RESP.pack(ident, 0, -err, 0))
+        with contextlib.suppress(OSError):  # ENOENT: the task went away meanwhile
+            fcntl.ioctl(self._fd, notify.IOCTL_NOTIF_SEND, answer)
+
+    def _valid(self, ident: int) -> bool:
+        try:
+            fcntl.ioctl(self._fd, notify.IOCTL_NOTIF_ID_VALID, bytearray(struct.pack("=Q", ident)))
+        except OSError:
+            return False
+        return True
+
+    def _connect(self, ident: int, pid: int, args: Sequence[int]) -> int | None:
+        """The connect's errno (0: connected), or None when the notification went away."""
+        target_fd, address, length = args[0] & _U32, args[1], args[2] & _U32
+        if not _FAMILY.size <= length <= MAX_SOCKADDR:
+            return errno.EINVAL
+        try:
+            raw = notify.read_memory(pid, address, length)  # the one read of the address
+        except OSError as exc:
+            return errno.EFAULT if exc.errno in {errno.EFAULT, errno.EIO} else None
+        if len(raw) != length:
+            return errno.EFAULT
+        taken = self._take(ident, pid, target_fd)
+        if taken is None or taken < 0:
+            return None if taken is None else -taken
+        try:
+            return self._decide(taken, raw, pid)
+        finally:
+            os.close(taken)
+
+    def _take(self, ident: int, pid: int, target_fd: int) -> int | None:
+        """Our copy of the command's descriptor; -errno when it has none; None when the
+        notification went away."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        try:
+            # Checked after pidfd_open: the pid is still the task that asked, not a reuse.
+            if not self._valid(ident):
+                return None
+            return notify.pidfd_getfd(pidfd, target_fd)
+        except OSError as exc:
+            return -(exc.errno or errno.EBADF)
+        finally:
+            os.close(pidfd)
+
+    def _decide(self, sock_fd: int, raw: bytes, pid: int) -> int:
+        try:
+            probe = socket.socket(fileno=os.dup(sock_fd))
+        except OSError as exc:
+            return exc.errno or errno.ENOTSOCK
+        with probe:
+            family, kind = probe.family, probe.type
+            local = probe.getsockname() if family in {socket.AF_INET, socket.AF_INET6} else None
+        if family == socket.AF_UNIX:
+            return self._unix(sock_fd, raw, pid)
+        if family not in {socket.AF_INET, socket.AF_INET6}:
+            return errno.EAFNOSUPPORT
+        if _FAMILY.unpack_from(raw)[0] == socket.AF_UNSPEC:
+            return _libc_connect(sock_fd, raw)  # dissolves an association: goes nowhere
+        if kind != socket.SOCK_STREAM:
+            return errno.EPERM
+        return self._inet(sock_fd, raw, family, local)
+
+    def _inet(self, sock_fd: int, raw: bytes, family: int, local: object) -> int:
+        try:
+            host, port = _inet_address(raw, family)
+        except ValueError:
+            return errno.EINVAL
+        except LookupError:
+            return errno.EAFNOSUPPORT
+        if port in self._proxy_ports and _is_proxy_host(host):
+            return _libc_connect(sock_fd, _sockaddr(family, LOOPBACK, port))
+        if self._capture_port is None:
+            return errno.ECONNREFUSED
+        return self._capture(sock_fd, family, local, (host, port))
+
+    def _capture(
+        self, sock_fd: int, family: int, local: object, destination: tuple[str, int]
+    ) -> int:
+        assert self._capture_port is not None
+        peer = _bound(sock_fd, family, local)
+        if peer is None:
+            return errno.ENETUNREACH  # an IPv6-only socket cannot reach the IPv4 listener
+        self.destinations.put(peer, destination)
+        err = _libc_connect(sock_fd, _sockaddr(family, LOOPBACK, self._capture_port))
+        if err not in _STILL_CONNECTING:
+            self.destinations.take(peer)
+        return err
+
+    def _unix(self, sock_fd: int, raw: bytes, pid: int) -> int:
+        family = _FAMILY.unpack_from(raw)[0]
+        if family != socket.AF_UNIX:
+            return _libc_connect(sock_fd, raw)  # the kernel's own answer (EINVAL)
+        path = raw[2:]
+        if path[:1] == b"\0":
+            if not self._abstract:
+                return errno.EPERM  # what the command's Landlock scope answers
+            return _libc_connect(sock_fd, raw)
+        path = path.split(b"\0", 1)[0]
+        if not path.startswith(b"/"):
+            path = f"/proc/{pid}/cwd/".encode() + path
+        if len(path) >= SUN_PATH_MAX:
+            return errno.ENAMETOOLONG
+        return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + path + b"\0")
+
+
+def _libc_connect(fd: int, address: bytes) -> int:
+    """connect(2) on our copy of the socket: its errno (0 when connected). A non-blocking
+    socket (the flag is the command's, shared by both copies) answers EINPROGRESS, and the
+    command finishes the connect as usual (poll, SO_ERROR) on the socket it holds."""
+    buffer = ctypes.create_string_buffer(address, len(address))
+    if _libc.connect(ctypes.c_int(fd), buffer, ctypes.c_uint(len(address))) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EIO
+
+
+def _inet_address(raw: bytes, family: int) -> tuple[str, int]:
+    """(host, port) of an inet sockaddr for a socket of `family`; LookupError when the two
+    families differ (the kernel's EAFNOSUPPORT), ValueError when it is too short."""
+    given = _FAMILY.unpack_from(raw)[0]
+    if given != family:
+        # An IPv6 socket takes an AF_INET address only as a v4-mapped one.
+        raise LookupError(given)
+    if family == socket.AF_INET:
+        if len(raw) < _IN.size:
+            raise ValueError("short sockaddr_in")
+        port, packed = _IN.unpack_from(raw)
+        return socket.inet_ntop(socket.AF_INET, packed), port
+    if len(raw) < _IN6.size - 4:  # sin6_scope_id is optional (SIN6_LEN_RFC2133)
+        raise ValueError("short sockaddr_in6")
+    port, _flow, packed, _scope = _IN6.unpack_from(raw.ljust(_IN6.size, b"\0"))
+    address = ipaddress.IPv6Address(packed)
+    mapped = address.ipv4_mapped
+    return (str(mapped) if mapped is not None else str(address)), port
+
+
+def _is_proxy_host(host: str) -> bool:
+    return host in {LOOPBACK, "::1"}
+
+
+def _sockaddr(family: int, host: str, port: int) -> bytes:
+    if family == socket.AF_INET:
+        return _FAMILY.pack(family) + _IN.pack(port, socket.inet_aton(host))[2:]
+    packed = socket.inet_pton(socket.AF_INET6, MAPPED_LOOPBACK if host == LOOPBACK else host)
+    return _FAMILY.pack(family) + _IN6.pack(port, 0, packed, 0)[2:]
+
+
+def _bound(sock_fd: int, family: int, local: object) -> tuple[str, int] | None:
+    """The address the capture listener will see this socket come from: bound now (loopback,
+    an ephemeral port) unless the command bound it, so the side table is filled before the
+    proxy can accept. None: it cannot be bound there."""
+    port = local[1] if isinstance(local, tuple) else 0
+    if port:
+        host = str(local[0]) if isinstance(local, tuple) else LOOPBACK
+        return (_unmapped(host) if host not in {"0.0.0.0", "::"} else LOOPBACK), int(port)
+    with socket.socket(fileno=os.dup(sock_fd)) as sock:
+        try:
+            sock.bind((LOOPBACK if family == socket.AF_INET else MAPPED_LOOPBACK, 0))
+        except OSError:
+            return None
+        return _unmapped(str(sock.getsockname()[0])), int(sock.getsockname()[1])
+
+
+def _unmapped(host: str) -> str:
+    return host.removeprefix("::ffff:")
+
+
+def receive_listener(chan: socket.socket, timeout: float) -> int:
+    """The notification fd the command sends before exec ({"event": "notify"}); raises
+    OSError when it does not come (the command must then not start)."""
+    from egressbox.confine import netns
+
+    chan.settimeout(timeout)
+    try:
+        message, fds = netns.recv_message(chan)
+    finally:
+        chan.settimeout(None)
+    if message.get("event") != "notify" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        why = message.get("message") or "the command sent no connect supervisor descriptor"
+        raise OSError(errno.EPROTO, str(why))
+    return fds[0]
