@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from egressbox.confine import netns
 from egressbox.confine.cgroup import CgroupPlan
@@ -73,6 +73,9 @@ from egressbox.runner.options import (
     effective_profile,
 )
 from egressbox.runner.verify import Guard, snapshot
+
+if TYPE_CHECKING:
+    from egressbox.runner.brokering import RunBrokering
 from egressbox.runner.workspace import (
     READ_ONLY_SCRATCH,
     Layout,
@@ -150,6 +153,8 @@ class Prepared:
         self.caches = ()
         self.cache_mode = CacheMode.SCRATCH
         self.foreign_locale = ""
+        # The run's placeholders and CA (runner/brokering.py), for the proxy; None: none.
+        self.brokering: RunBrokering | None = None
         self.started = 0.0
         self.cleanup = []
         self.read_only_workspaces = ()
@@ -187,7 +192,10 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     executable = resolve_command(options.argv[0], base, cwd)
     _check_cwd(cwd, layout, options, executables=executable.grants, files=files)
     scratch, cleanup = _scratch(layout, mounts)
-    start = _Start(base, home, profile, chosen, warnings, layout, executable, scratch, cleanup)
+    brokering = _brokering(options, mounts, warnings)
+    start = _Start(
+        base, home, profile, chosen, warnings, layout, executable, scratch, cleanup, brokering
+    )
     try:
         return _prepare(options, facts, start)
     except BaseException:
@@ -210,6 +218,7 @@ class _Start(NamedTuple):
     executable: Executable
     scratch: Scratch | None
     cleanup: list[str]
+    brokering: RunBrokering | None = None
 
 
 def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
@@ -266,14 +275,14 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         chosen,
         profile=profile,
         executable=executable,
-        env=env,
+        env=env | start.brokering.child_env() if start.brokering else env,
         templates=templates,
         fs=fs,
         roots=roots,
         scratch=scratch,
         listeners=listeners,
         capture_off=capture_off,
-        copies=copies,
+        copies=(*copies, *start.brokering.files()) if start.brokering else copies,
     )
     staged = _stage(options, start, roots, warnings)
     if staged.stage is not None and plan.world is not None:
@@ -307,7 +316,27 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         prepared.announcements += notes
     if supervised and not capture_off:
         prepared.host_capture = _host_capture()
+    return _with_brokering(prepared, start.brokering)
+
+
+def _with_brokering(prepared: Prepared, brokering: RunBrokering | None) -> Prepared:
+    prepared.brokering = brokering
     return prepared
+
+
+def _brokering(options: RunOptions, mounts: bool, warnings: list[str]) -> RunBrokering | None:
+    """The run's placeholders and CA when its policy terminates a host: the child gets the
+    placeholders in the [[secret]] variables' place (the real ones held back even when
+    granted) and trusts the CA through its view (_launch_plan)."""
+    from egressbox.runner.brokering import for_run
+
+    brokering = for_run(options.secret_names, options.terminate)
+    if brokering is not None and not mounts:
+        warnings.append(
+            "without a mount namespace the child's view cannot hold the run's CA: TLS to "
+            "the hosts a [[secret]] or [[request_rule]] names will fail verification"
+        )
+    return brokering
 
 
 # -- the connect supervisor (no network namespace; confine/notify.py, runner/notify.py) ----

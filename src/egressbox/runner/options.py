@@ -125,6 +125,12 @@ class RunOptions(NamedTuple):
     workspace: str = "staged"
     # Staged: keep the whole layer for `egressbox changes|apply|discard`, apply nothing.
     review: bool = False
+    # Credential brokering (runner/brokering.py): the [[secret]] names whose placeholders the
+    # child gets, whether the proxy terminates any host, and values given by the library
+    # (egressbox.run(secrets={NAME: VALUE})) instead of each entry's source.
+    secret_names: tuple[str, ...] = ()
+    terminate: bool = False
+    secrets: Mapping[str, str] | None = None
 
 
 class MechanismReport(NamedTuple):
@@ -226,6 +232,7 @@ def options_for(
     ask_timeout: float | None = None,
     workspace: str | None = None,
     review: bool = False,
+    secrets: Mapping[str, str] | None = None,
 ) -> RunOptions:
     """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined().
 
@@ -249,6 +256,7 @@ def options_for(
         on_miss=on_miss,
         ask_timeout=ask_timeout,
         review=review,
+        secrets=dict(secrets) if secrets else None,
         **with_settings(
             policy.run_settings if policy is not None else None,
             profile=profile,
@@ -326,6 +334,8 @@ def with_settings(
         "read_only_workspace": read_only_workspace or fs.workspace == "read-only",
         "toolchain_cache": caches,
         "workspace": mode,
+        "secret_names": settings.secret_names,
+        "terminate": settings.terminate,
     }
 
 
