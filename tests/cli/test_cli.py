@@ -241,7 +241,7 @@ def test_doctor_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     assert set(data["mechanisms"]) >= {"landlock", "seccomp", "network_namespace"}
     profiles = data["profiles"]
-    assert list(profiles) == ["unrestricted", "workspace_paths", "worktree", "os_hardened"]
+    assert list(profiles) == ["unrestricted", "worktree", "os_hardened"]
     for row in profiles.values():
         assert set(row) == {"enforced", "missing", "refuses"}
     # os_hardened either enforces everything it wants or names what it refuses.

@@ -369,7 +369,7 @@ def test_nested_run_gets_the_strictest_profile(box: Box) -> None:
     # The inner run serves its proxy on the outer namespace's lo: it may bind there.
     done = box.egressbox("--allow-loopback", "--read-root", _package_root(box), "--", *inner)
     assert done.returncode == 0, _explain(done)
-    assert done.stdout == b"inner=workspace_paths\n", _explain(done)
+    assert done.stdout == b"inner=worktree\n", _explain(done)
 
 
 @needs_every_mechanism

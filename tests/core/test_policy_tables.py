@@ -102,7 +102,10 @@ def test_defaults_change_nothing() -> None:
 
 
 def test_names_match_the_confinement_enums() -> None:
-    assert tuple(p.value for p in Profile) == PROFILES
+    from egressbox.confine.plan import PROFILE_NAMES
+
+    assert PROFILE_NAMES == PROFILES
+    assert {Profile(name) for name in PROFILES} == set(Profile)
     assert tuple(e.value for e in EnvPolicy) == ENV_POLICIES
     assert tuple(PRESETS) == POLICY_PRESETS == DEFAULT_PRESETS
 
@@ -362,7 +365,7 @@ def _cli(*argv: str, settings: RunSettings | None = None) -> RunOptions | None:
 def test_cli_defaults_without_a_policy() -> None:
     options = _cli()
     assert options is not None
-    assert options.profile is Profile.WORKSPACE_PATHS
+    assert options.profile is Profile.WORKTREE
     assert options.env_policy is EnvPolicy.INHERITED
     assert options.timeout is None
     assert options == RunOptions(argv=("true",), policy=None)
@@ -489,7 +492,7 @@ def test_process_roots_are_granted_but_hold_no_scratch_space(tmp_path: Path) -> 
     options = RunOptions(
         argv=("/bin/true",),
         policy=None,
-        profile=Profile.WORKSPACE_PATHS,
+        profile=Profile.WORKTREE,
         cwd=str(workspace),
         process_write_roots=(str(cache),),
         process_read_roots=(str(tools),),

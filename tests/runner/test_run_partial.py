@@ -68,7 +68,7 @@ def test_without_namespaces_the_proxy_ports_are_all_the_child_reaches(
     options = RunOptions(
         argv=(sys.executable, str(script)),
         policy=policy,
-        profile=Profile.WORKSPACE_PATHS,
+        profile=Profile.WORKTREE,
         write_roots=(str(tmp_path),),
         cwd=str(tmp_path),
     )
@@ -128,7 +128,7 @@ def test_without_a_mount_namespace_landlock_alone_keeps_the_deny_list_and_read_o
     options = RunOptions(
         argv=(sys.executable, str(script)),
         policy=parse_policy({"egress": {"allow": []}}, env={}),
-        profile=Profile.WORKSPACE_PATHS,
+        profile=Profile.WORKTREE,
         write_roots=(str(work),),
         read_roots=(str(shared), str(work / "vendor"), str(tmp_path)),
         deny=(str(shared / "keys"),),

@@ -104,7 +104,7 @@ def test_profile_flag_wins_over_the_table(box: Box) -> None:
     argv = ["--policy", policy, "--profile", "workspace_paths", "--report"]
     done = box.run(*argv, "--", "/bin/sh", "-c", 'echo "$EGRESSBOX_PROFILE"')
     assert done.returncode == 0, _explain(done)
-    assert done.stdout == b"workspace_paths\n", _explain(done)
+    assert done.stdout == b"worktree\n", _explain(done)
     assert "landlock_fs" in _report(done), _explain(done)
 
 
@@ -183,7 +183,7 @@ def test_prepare_applies_presets_deny_and_rlimits(tmp_path: Path) -> None:
     assert set(expand_user(p, home) for p in CREDENTIALS) <= set(plan.deny)
     assert "/usr" in plan.read and f"{home}/.cargo" not in plan.read
     assert "/tmp" not in plan.write  # no user_temp preset
-    assert Profile(plan.env["EGRESSBOX_PROFILE"]) is Profile.WORKSPACE_PATHS
+    assert Profile(plan.env["EGRESSBOX_PROFILE"]) is Profile.WORKTREE
 
 
 # -- --timeout -------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ def apply(
     allow_loopback: bool,
     scopes: bool,
     connect_any: bool = False,
+    sockets: Sequence[str] = (),
 ) -> LandlockReport:
     """Restrict this process: fs when `read` is given, TCP when `connect_ports` is.
 
@@ -42,7 +43,8 @@ def apply(
     `allow_loopback` the child may bind and connect freely: only sensible
     inside a private network namespace (the caller checks that). With
     `connect_any` (a captured namespace, where every connection ends at
-    egressbox) only binds are refused.
+    egressbox) only binds are refused. `sockets` (unix socket roots) may be read, and a
+    unix socket made there (bind); nothing else is written.
     """
     abi = ll.abi_version()
     if abi == 0:
@@ -60,6 +62,7 @@ def apply(
         if fs:
             skipped += _paths(ruleset, read or (), READ_RIGHTS & fs)
             skipped += _paths(ruleset, write, fs)
+            skipped += _paths(ruleset, sockets, (READ_RIGHTS | ll.AccessFs.MAKE_SOCK) & fs)
         for port in connect_ports or () if net & ll.AccessNet.CONNECT_TCP else ():
             ruleset.add_net_port_rule(port, ll.AccessNet.CONNECT_TCP)
         ruleset.restrict_self()

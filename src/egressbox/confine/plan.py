@@ -17,21 +17,72 @@ from typing import NamedTuple
 
 
 class Profile(StrEnum):
-    """Ordered from least to most confined; nesting picks the strictest."""
+    """Ordered from least to most confined; nesting picks the strictest.
+
+    Harn's ladder under Harn's names, none meaning something else. egressbox's network boundary
+    (the proxy decides every connection) holds under every profile; the ladder sets how the
+    command's files and processes are confined:
+    - unrestricted: no filesystem rules (said on stderr at every run);
+    - worktree (the default): the constructed world, Landlock, seccomp and namespaces, best
+      effort; EGRESSBOX_SANDBOX=off|warn|enforce picks what a missing mechanism means, and
+      `off` drops the filesystem rules as unrestricted does;
+    - os_hardened: every mechanism required; a missing one refuses the run.
+    Harn's `workspace_paths` means a command whose own file access is unconfined, guarded only
+    by checks in Harn's process, which egressbox does not have: the name was egressbox's
+    default once and stays a deprecated alias of worktree (it warns), so that a policy written
+    for the old default never loses confinement. Harn's `wasi` (its testbench, which never
+    spawns on the host) has no counterpart.
+    """
 
     UNRESTRICTED = "unrestricted"
-    WORKSPACE_PATHS = "workspace_paths"
     WORKTREE = "worktree"
     OS_HARDENED = "os_hardened"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Profile | None:
+        return DEPRECATED_PROFILES.get(str(value))
 
     @property
     def rank(self) -> int:
         return list(Profile).index(self)
 
 
+# Old names still read (flags, policy files, an outer run's EGRESSBOX_PROFILE): name -> profile.
+DEPRECATED_PROFILES: dict[str, Profile] = {"workspace_paths": Profile.WORKTREE}
+DEFAULT_PROFILE = Profile.WORKTREE
+# Every name a profile may be given by, current names first.
+PROFILE_NAMES = (*(p.value for p in Profile), *DEPRECATED_PROFILES)
+
+
 def strictest(*profiles: Profile | None) -> Profile:
     given = [p for p in profiles if p is not None]
-    return max(given, key=lambda p: p.rank) if given else Profile.WORKSPACE_PATHS
+    return max(given, key=lambda p: p.rank) if given else DEFAULT_PROFILE
+
+
+def profile_note(name: str, where: str) -> str:
+    """The warning for a deprecated profile name, or "" for a current one."""
+    if name not in DEPRECATED_PROFILES:
+        return ""
+    meant = DEPRECATED_PROFILES[name].value
+    return (
+        f"{where}: profile {name} is a deprecated name of {meant} here (the command stays "
+        f"confined); in Harn it means a command whose file access is unconfined, which "
+        f"egressbox calls unrestricted: write {meant} or unrestricted"
+    )
+
+
+def parse_profile(name: str) -> Profile:
+    """A profile by its name (deprecated names too); Harn's `wasi` says why it is refused."""
+    try:
+        return Profile(name)
+    except ValueError:
+        pass
+    if name == "wasi":
+        raise ValueError(
+            "profile wasi is Harn's testbench mode (recorded WASI modules, never a spawn on "
+            "the host); egressbox runs real commands: choose worktree or os_hardened"
+        )
+    raise ValueError(f"unknown profile {name!r}; one of {', '.join(p.value for p in Profile)}")
 
 
 class Mechanism(StrEnum):
@@ -53,17 +104,16 @@ class Enforcement(StrEnum):
 
 # What each profile wants. `required`: missing -> refuse (exit 126).
 # `wanted`: applied when the host has it, reported honestly when not.
+# The network boundary alone: what every profile keeps, and all that unrestricted (or worktree
+# under EGRESSBOX_SANDBOX=off) applies.
+NETWORK_ONLY = frozenset({Mechanism.NETWORK_NAMESPACE, Mechanism.LANDLOCK_NET, Mechanism.SECCOMP})
 _WANTED: dict[Profile, frozenset[Mechanism]] = {
-    Profile.UNRESTRICTED: frozenset(
-        {Mechanism.NETWORK_NAMESPACE, Mechanism.LANDLOCK_NET, Mechanism.SECCOMP}
-    ),
-    Profile.WORKSPACE_PATHS: frozenset(Mechanism),
+    Profile.UNRESTRICTED: NETWORK_ONLY,
     Profile.WORKTREE: frozenset(Mechanism),
     Profile.OS_HARDENED: frozenset(Mechanism),
 }
 _REQUIRED: dict[Profile, frozenset[Mechanism]] = {
     Profile.UNRESTRICTED: frozenset(),
-    Profile.WORKSPACE_PATHS: frozenset(),
     Profile.WORKTREE: frozenset(),
     Profile.OS_HARDENED: frozenset(Mechanism),
 }
@@ -168,7 +218,20 @@ def wanted(profile: Profile) -> frozenset[Mechanism]:
 # -- filesystem ----------------------------------------------------------------------
 
 # Read (and execute) for every confined program: the system's runtime.
-SYSTEM_RUNTIME = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+# /nix/store: Nix and NixOS keep every program and library there (Harn's system_read_roots
+# list it too); a host without it simply has no such grant.
+SYSTEM_RUNTIME = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/etc",
+    "/opt",
+    "/nix/store",
+)
 # /proc and /sys are made fresh for the child; /var/lib and /var/cache are not granted (they
 # hold services' state, much of it readable only by root, and a root child is root).
 SYSTEM_READ_ONLY_EXTRA = ("/proc", "/sys", "/snap")
@@ -485,8 +548,11 @@ class WorldSpec(NamedTuple):
     read_only: tuple[str, ...] = ()
     # Inside grants, covered by an empty placeholder (credential stores).
     mask: tuple[str, ...] = ()
-    # Directories whose unix sockets (and other entries) the child may use, read-only.
+    # Directories whose unix sockets the child may connect to, bound read-only...
     socket_roots: tuple[str, ...] = ()
+    # ...except these, bound read-write, where Landlock admits making a socket (bind) and no
+    # other write.
+    socket_bind: tuple[str, ...] = ()
     # Made (with a self-ignoring .gitignore in the first one's parent) inside the view.
     scratch: tuple[str, ...] = ()
     cwd: str = "/"
@@ -499,3 +565,51 @@ class WorldSpec(NamedTuple):
     # host has there (a symlink on the host, /etc/resolv.conf -> ../run/..., is followed
     # inside the view and its target made). CAPTURE_FILES with capture.
     files: tuple[tuple[str, str], ...] = ()
+
+
+# -- unix sockets ---------------------------------------------------------------------------
+
+# connect(2) to a pathname socket needs only search rights on the way and write permission on
+# the socket's inode; a read-only bind mount does not refuse it (measured: a read-only bind
+# of a directory refuses bind() with EROFS and admits connect()). Landlock up to ABI 7 has no
+# right for it either. So the world covers each live socket under a grant that is not a
+# socket root with an empty placeholder (measured: connect then fails, ECONNREFUSED, and the
+# listener never sees it). Live sockets are the host's bound ones, /proc/net/unix's paths.
+PROC_NET_UNIX = "/proc/net/unix"
+# Its columns: Num RefCount Protocol Flags Type St Inode Path (Path absent: unbound).
+_UNIX_PATH_COLUMN = 7
+
+
+def bound_socket_paths(table: str) -> tuple[str, ...]:
+    """Absolute paths of the pathname sockets in a /proc/net/unix text (abstract ones, whose
+    names start with @, and paths bound relative to another process's directory are not)."""
+    found: list[str] = []
+    for line in table.splitlines()[1:]:
+        fields = line.split(None, _UNIX_PATH_COLUMN)
+        if len(fields) > _UNIX_PATH_COLUMN and fields[_UNIX_PATH_COLUMN].startswith("/"):
+            found.append(fields[_UNIX_PATH_COLUMN])
+    return _dedupe(found)
+
+
+def socket_bind_roots(
+    socket_roots: Iterable[str], write: Iterable[str], host_write: Iterable[str]
+) -> tuple[str, ...]:
+    """The socket roots that may be bound read-write: Landlock is additive, so one inside a
+    broader write grant that is not the host's (the private /tmp, /var/tmp, /dev) would become
+    writable through that grant; it stays read-only (connect only). One inside a host write
+    root is writable anyway."""
+    broad = [w for w in write if w not in set(host_write)]
+    return tuple(r for r in socket_roots if not any(is_under(r, w) for w in broad))
+
+
+def sockets_to_hide(
+    sockets: Iterable[str], granted: Iterable[str], socket_roots: Iterable[str]
+) -> tuple[str, ...]:
+    """The live sockets the child would otherwise reach: under a grant, not under a socket
+    root (only socket roots admit connecting to what is already there)."""
+    grants, allowed = tuple(granted), tuple(socket_roots)
+    return tuple(
+        path
+        for path in sockets
+        if any(is_under(path, g) for g in grants) and not any(is_under(path, r) for r in allowed)
+    )

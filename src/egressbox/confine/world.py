@@ -336,7 +336,9 @@ def _open_sources(spec: WorldSpec, fds: list[int]) -> list[_Source]:
         wanted[path] = wanted.get(path, False) or writable
     for raw in spec.socket_roots:
         path = os.path.realpath(raw)
-        wanted.setdefault(path, False)
+        # Read-write only where Landlock admits the making of a socket and no other write
+        # (spec.socket_bind); a read-only bind still admits connect.
+        wanted[path] = wanted.get(path, False) or raw in spec.socket_bind
     sources: list[_Source] = []
     for path, writable in wanted.items():
         try:

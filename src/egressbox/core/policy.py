@@ -16,14 +16,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from egressbox.core import limits as lim
 from egressbox.core.errors import HostError, PolicyError
-from egressbox.core.secrets import (
-    RequestRule,
-    SecretSpec,
-    TlsSettings,
-    parse_request_rules,
-    parse_secrets,
-    parse_tls,
-)
 
 if TYPE_CHECKING:
     # Imported where used: rules, hosts and addresses (the compiled core, ipaddress),
@@ -36,9 +28,6 @@ N = TypeVar("N", int, float)
 
 ENV_ALLOW = "EGRESSBOX_ALLOW"
 ENV_DENY = "EGRESSBOX_DENY"
-# Comma-separated networks appended to egress.allow_cidrs (validated like the key's entries):
-# what a local registry's entry in EGRESSBOX_ALLOW needs, e.g. 127.0.0.1/32.
-ENV_ALLOW_CIDRS = "EGRESSBOX_ALLOW_CIDRS"
 
 
 class Mode(StrEnum):
@@ -75,7 +64,8 @@ def _cidr_index() -> CidrIndex[IPNetwork]:
 
 
 # [process], [filesystem] and [env]: defaults for `egressbox run` (flags win or add).
-PROFILES = ("unrestricted", "workspace_paths", "worktree", "os_hardened")
+# Current names, then deprecated ones still read (confine/plan.py DEPRECATED_PROFILES).
+PROFILES = ("unrestricted", "worktree", "os_hardened", "workspace_paths")
 PRESETS = ("system_runtime", "developer_toolchains", "package_manager_config", "user_temp")
 ENV_POLICIES = ("inherited", "isolated", "granted")
 MAX_TIMEOUT = 7 * 24 * 3600.0
@@ -93,6 +83,9 @@ class ProcessSettings(NamedTuple):
     rlimit_as: int | None = None
     max_processes: int | None = None  # tasks in the child's PID namespace
     max_memory: int | None = None  # the run's memory budget, bytes (confine/cgroup.py)
+    # The command may run and reach its own TCP servers on its private lo (--allow-loopback;
+    # Harn's process_sandbox.allow_tcp_loopback).
+    allow_tcp_loopback: bool = False
 
 
 class FilesystemSettings(NamedTuple):
@@ -129,10 +122,6 @@ class RunSettings(NamedTuple):
     process: ProcessSettings = ProcessSettings()
     filesystem: FilesystemSettings = FilesystemSettings()
     env: EnvSettings = EnvSettings()
-    # [[secret]] names (their placeholders go in the child's environment) and whether the
-    # proxy terminates any host (the child's view then trusts the run's CA): runner/brokering.py.
-    secret_names: tuple[str, ...] = ()
-    terminate: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,10 +144,6 @@ class Policy:
     process: ProcessSettings = field(default_factory=ProcessSettings)
     filesystem: FilesystemSettings = field(default_factory=FilesystemSettings)
     env: EnvSettings = field(default_factory=EnvSettings)
-    # [[secret]], [[request_rule]] and [tls] (core/secrets.py): what the proxy terminates.
-    secrets: tuple[SecretSpec, ...] = ()
-    request_rules: tuple[RequestRule, ...] = ()
-    tls: TlsSettings = field(default_factory=TlsSettings)
     _allow_cidr_index: CidrIndex[IPNetwork] = field(default_factory=_cidr_index, repr=False)
     _deny_cidr_index: CidrIndex[IPNetwork] = field(default_factory=_cidr_index, repr=False)
 
@@ -170,13 +155,7 @@ class Policy:
 
     @property
     def run_settings(self) -> RunSettings:
-        return RunSettings(
-            self.process,
-            self.filesystem,
-            self.env,
-            tuple(s.name for s in self.secrets),
-            bool(self.secrets or self.request_rules),
-        )
+        return RunSettings(self.process, self.filesystem, self.env)
 
     def allow_cidr_for(self, ip: IPAddress) -> IPNetwork | None:
         return self._allow_cidr_index.first(ip)
@@ -197,7 +176,15 @@ EGRESS_KEYS = (
     "upstream_target",
 )
 DNS_KEYS = ("nameservers", "timeout", "cache_size", "max_ttl")
-PROCESS_KEYS = ("profile", "timeout", "rlimit_nofile", "rlimit_as", "max_processes", "max_memory")
+PROCESS_KEYS = (
+    "profile",
+    "timeout",
+    "rlimit_nofile",
+    "rlimit_as",
+    "max_processes",
+    "max_memory",
+    "allow_tcp_loopback",
+)
 # max_processes: the kernel refuses a PID namespace's pid_max below 301 (PID_MAX_MIN).
 MAX_PROCESSES_BOUNDS = (300, 4194303)
 MIN_MAX_MEMORY = 64 * 1024 * 1024
@@ -216,17 +203,7 @@ FILESYSTEM_KEYS = (
 WORKSPACE_MODES = ("read-write", "read-only")
 TOOLCHAIN_CACHE_MODES = ("scratch", "real")
 ENV_KEYS = ("policy", "grant")
-TOP_KEYS = (
-    "egress",
-    "dns",
-    "limits",
-    "process",
-    "filesystem",
-    "env",
-    "secret",
-    "request_rule",
-    "tls",
-)
+TOP_KEYS = ("egress", "dns", "limits", "process", "filesystem", "env")
 RULE_TABLE_KEYS = ("host", "private", "broad")
 CIDR_TABLE_KEYS = ("cidr", "broad")
 
@@ -301,17 +278,6 @@ def parse_policy(
     return policy
 
 
-def _brokering_names(data: Mapping[str, Any]) -> tuple[tuple[str, ...], bool]:
-    """RunSettings' secret names and terminate flag, read cheaply (the whole policy,
-    loaded after the fork, validates the entries)."""
-    entries = data.get("secret", [])
-    entries = entries if isinstance(entries, list) else [entries]
-    names = tuple(
-        e["name"] for e in entries if isinstance(e, dict) and isinstance(e.get("name"), str)
-    )
-    return names, bool(entries or data.get("request_rule"))
-
-
 def _type_name(value: object) -> str:
     names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
     names |= {list: "a list", dict: "a table"}
@@ -353,7 +319,6 @@ class _Parser:
         allow = self.rules(egress, "allow", env.get(ENV_ALLOW, ""), ENV_ALLOW)
         deny = self.rules(egress, "deny", env.get(ENV_DENY, ""), ENV_DENY)
         allow_cidrs = self.cidrs(egress, "allow_cidrs", check_breadth=True)
-        allow_cidrs += self.env_cidrs(env.get(ENV_ALLOW_CIDRS, ""))
         deny_cidrs = self.cidrs(egress, "deny_cidrs", check_breadth=False)
         allow_private = self.boolean(egress, "allow_private", "egress.allow_private")
         mode = self.mode(egress)
@@ -375,9 +340,6 @@ class _Parser:
             filesystem=settings.filesystem,
             env=settings.env,
             source=self.source,
-            secrets=parse_secrets(data, self),
-            request_rules=parse_request_rules(data, self),
-            tls=parse_tls(data, self),
         )
         self.warn_about(policy)
         object.__setattr__(policy, "warnings", tuple(self.warnings))
@@ -445,14 +407,6 @@ class _Parser:
             )
             return []
         found = [self.cidr(e, f"{path}[{i}]", check_breadth) for i, e in enumerate(entries)]
-        return [net for net in found if net is not None]
-
-    def env_cidrs(self, text: str) -> list[IPNetwork]:
-        """EGRESSBOX_ALLOW_CIDRS: comma-separated, each checked like an allow_cidrs entry
-        (a bare address is that one address; a huge range is refused, there being no
-        way to write `broad = true` in it)."""
-        items = [item for item in text.split(",") if item.strip()]
-        found = [self.cidr(e, f"{ENV_ALLOW_CIDRS}[{i}]", True) for i, e in enumerate(items)]
         return [net for net in found if net is not None]
 
     def cidr(self, entry: object, path: str, check_breadth: bool) -> IPNetwork | None:
@@ -621,7 +575,6 @@ class _Parser:
             self.process(self.table(data, "process")),
             self.filesystem(self.table(data, "filesystem")),
             self.env(self.table(data, "env")),
-            *_brokering_names(data),
         )
 
     def process(self, table: Mapping[str, Any]) -> ProcessSettings:
@@ -687,6 +640,9 @@ class _Parser:
             rlimit_as=None if address_space is None else int(address_space),
             max_processes=None if processes is None else int(processes),
             max_memory=None if memory is None else int(memory),
+            allow_tcp_loopback=self.boolean(
+                table, "allow_tcp_loopback", "process.allow_tcp_loopback"
+            ),
         )
 
     def filesystem(self, table: Mapping[str, Any]) -> FilesystemSettings:
@@ -886,7 +842,6 @@ class _Parser:
             )
         ip = _rule_address(rule)
         if ip is None:
-            self.warn_loopback_name(policy, rule, path)
             return
         entry = lookup(ip)
         category = entry.category
@@ -911,28 +866,6 @@ class _Parser:
                 if category in PRIVATE_LIKE
                 else ""
             )
-        )
-
-    def warn_loopback_name(self, policy: Policy, rule: Rule, path: str) -> None:
-        """`localhost:PORT` resolves to loopback, which every entry needs a grant for."""
-        from egressbox.core.local import LOOPBACK_ADDRESSES, is_loopback_name
-        from egressbox.core.rules import RuleKind
-
-        if rule.kind is not RuleKind.NAME or not is_loopback_name(rule.value):
-            return
-        missing = [ip for ip in LOOPBACK_ADDRESSES if policy.allow_cidr_for(ip) is None]
-        if not missing:
-            return
-        cidrs = ", ".join(f'"{ip}/{ip.max_prefixlen}"' for ip in missing)
-        # Every address a name resolves to is checked, and one denied address denies the
-        # connection: most hosts files give localhost both 127.0.0.1 and ::1.
-        what = "loopback (127.0.0.1, and ::1 in most hosts files)"
-        if len(missing) < len(LOOPBACK_ADDRESSES):
-            what = f"{', '.join(map(str, missing))} in most hosts files"
-        self.warnings.append(
-            f'{path}: "{rule.text}" resolves to {what}, which stays denied unless '
-            f"egress.allow_cidrs covers it; add {cidrs} to egress.allow_cidrs "
-            f"(or set {ENV_ALLOW_CIDRS})"
         )
 
 
@@ -1003,6 +936,6 @@ def load_policy_or_environment(path: str | None) -> Policy | None:
     """The policy of a command: the file plus environment overrides, or none at all."""
     if path is not None:
         return load_policy(path)
-    if os.environ.get(ENV_ALLOW) or os.environ.get(ENV_DENY) or os.environ.get(ENV_ALLOW_CIDRS):
+    if os.environ.get(ENV_ALLOW) or os.environ.get(ENV_DENY):
         return parse_policy({}, source="environment")
     return None

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from egressbox.audit.record import AuditRecord, AuditSink
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord
     from egressbox.proxy.server import EgressProxy
-    from egressbox.runner.brokering import RunBrokering
 
 
 async def supervise(
@@ -51,9 +50,7 @@ async def supervise(
     """
     hold = _Hold(launched, prepared=prepared)
     try:
-        hold.proxy = _make_proxy(
-            launched, options, audit=audit, log=log, brokering=prepared.brokering
-        )
+        hold.proxy = _make_proxy(launched, options, audit=audit, log=log)
     except BaseException:
         hold.abandon()
         raise
@@ -61,12 +58,7 @@ async def supervise(
 
 
 def _make_proxy(
-    launched: Launched,
-    options: RunOptions,
-    *,
-    audit: AuditSink | None = None,
-    log: Any = None,
-    brokering: RunBrokering | None = None,
+    launched: Launched, options: RunOptions, *, audit: AuditSink | None = None, log: Any = None
 ) -> EgressProxy:
     """The proxy for the launcher's listeners (not started: _supervise() starts it)."""
     from egressbox.net.resolve import DnsResolver
@@ -97,9 +89,6 @@ def _make_proxy(
         capture_sockets=capture,
         dns_sockets=dns,
         destinations=launched.destinations,
-        # The values are read here, by the unconfined proxy, after the fork (broker.py).
-        broker=brokering.broker(options.policy) if brokering is not None else None,
-        secrets=options.secrets,
         **asking,
     )
     return proxy
