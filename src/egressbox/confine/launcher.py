@@ -72,8 +72,6 @@ class LaunchPlan(NamedTuple):
     write: tuple[str, ...] = ()
     deny: tuple[str, ...] = ()
     read_only_inside_write: tuple[str, ...] = ()
-    # Unix socket roots: read, and the making of a socket (bind); nothing else written.
-    sockets: tuple[str, ...] = ()
     allow_loopback: bool = False
     pass_fds: tuple[int, ...] = ()
     rlimit_nofile: int | None = None
@@ -107,6 +105,9 @@ class LaunchPlan(NamedTuple):
     # main seccomp filter; its notification fd goes to the parent, whose supervisor connects
     # the command's sockets (runner/notify.py). Empty: no supervisor.
     connect_filter: bytes = b""
+    # --user NAME (runner/account.py): (uid, gid, supplementary groups) the command becomes,
+    # from a launcher started as root, after the namespaces and the view are made.
+    run_as: tuple[int, int, tuple[int, ...]] | None = None
 
     def has(self, mechanism: Mechanism) -> bool:
         return mechanism.value in self.mechanisms
@@ -453,6 +454,8 @@ def _reaper(
         _walk_etc(plan)
         _mounts(plan)
         skeleton = _private_tmp()
+        if plan.run_as is not None and plan.world is not None:
+            _give_scratch(plan.world.scratch, plan.run_as)
     pid = os.fork()
     if pid == 0:
         _command(plan, env, ports, prepared, chan)
@@ -600,7 +603,9 @@ def _own_terminal() -> None:
 def _restrict(plan: LaunchPlan, ports: tuple[int, ...], prepared: Any, chan: int = -1) -> None:
     _limits(plan)
     applied = _PROGRESS.applied
-    if plan.has(Mechanism.CAPABILITIES) and os.geteuid() == 0 and not _powerless():
+    if plan.run_as is not None:
+        applied["user"] = _become(plan.run_as)
+    elif plan.has(Mechanism.CAPABILITIES) and os.geteuid() == 0 and not _powerless():
         from egressbox.confine import caps
 
         caps.drop_all_capabilities()
@@ -623,12 +628,75 @@ def _limits(plan: LaunchPlan) -> None:
         ("as", resource.RLIMIT_AS, plan.rlimit_as),
         ("data", resource.RLIMIT_DATA, plan.rlimit_data),
         # Not enforced for uid 0 by the kernel: the PID namespace's pid_max is the bound there.
-        ("nproc", resource.RLIMIT_NPROC, plan.rlimit_nproc if os.geteuid() != 0 else None),
+        (
+            "nproc",
+            resource.RLIMIT_NPROC,
+            plan.rlimit_nproc if os.geteuid() != 0 or plan.run_as else None,
+        ),
     ):
         if value is not None:
             resource.setrlimit(which, (value, value))
             limits[name] = value
     _PROGRESS.applied["rlimits"] = limits
+
+
+# <linux/securebits.h>: keep-caps stays off for good (a setuid keeps no capability).
+SECBIT_KEEP_CAPS_LOCKED = 1 << 5
+
+
+def _become(ids: tuple[int, int, tuple[int, ...]]) -> dict[str, Any]:
+    """--user: root becomes NAME for good, keeping no capability.
+
+    While still root: lock the securebits that matter for a non-root uid (no root privileges
+    for uid 0 through exec, no ambient raise, keep-caps off), empty the bounding and ambient
+    sets. Then groups, gid and uid (real, effective, saved): the kernel clears the permitted
+    and effective sets on that setuid. Verified from /proc/self/status and getresuid.
+    """
+    from egressbox.confine import caps, syscalls
+
+    uid, gid, groups = ids
+    bits = caps.SECBIT_NOROOT | caps.SECBIT_NOROOT_LOCKED | SECBIT_KEEP_CAPS_LOCKED
+    bits |= caps.SECBIT_NO_CAP_AMBIENT_RAISE | caps.SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED
+    syscalls.prctl(syscalls.PR_SET_SECUREBITS, bits)
+    for cap in range(caps.read_last_cap() + 1):
+        syscalls.prctl(syscalls.PR_CAPBSET_DROP, cap)
+    with contextlib.suppress(OSError):  # kernels before 4.3 have no ambient set
+        syscalls.prctl(syscalls.PR_CAP_AMBIENT, syscalls.PR_CAP_AMBIENT_CLEAR_ALL)
+    os.setgroups(list(groups))
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    sets = caps.read_capability_sets()
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise LaunchError(f"could not become uid {uid}, gid {gid}")
+    if not sets.all_clear:
+        raise LaunchError(f"capabilities left after becoming uid {uid}: {sets}")
+    return {"uid": uid, "gid": gid, "groups": list(groups)}
+
+
+def _give_scratch(scratch: tuple[str, ...], ids: tuple[int, int, tuple[int, ...]]) -> None:
+    """--user: the scratch space root made in the view (TMPDIR, caches) is NAME's."""
+    give_directories((*sorted({os.path.dirname(p) for p in scratch}), *scratch), ids[:2])
+
+
+def give_directories(paths: tuple[str, ...], owner: tuple[int, int]) -> None:
+    """chown directories egressbox made for a run to `owner`: each opened with no symbolic
+    link anywhere on its path (one planted by an earlier command makes it skipped, never
+    followed), changed by descriptor. A missing one is skipped (its maker said why)."""
+    from egressbox.confine import staging
+
+    resolve = staging.RESOLVE_NO_SYMLINKS | staging.RESOLVE_NO_MAGICLINKS
+    for path in paths:
+        try:
+            fd = staging.openat2(_AT_FDCWD, path, os.O_DIRECTORY | os.O_NOFOLLOW, resolve)
+        except OSError:
+            continue
+        try:
+            os.fchown(fd, *owner)
+        finally:
+            os.close(fd)
+
+
+_AT_FDCWD = -100  # <fcntl.h>: absolute paths resolve from the root either way
 
 
 def _seccomp(plan: LaunchPlan, prepared: Any) -> str:
@@ -713,7 +781,6 @@ def _landlock(plan: LaunchPlan, ports: tuple[int, ...]) -> dict[str, Any]:
     report = landlock_apply.apply(
         read=read if plan.has(Mechanism.LANDLOCK_FS) else None,
         write=write,
-        sockets=plan.sockets,
         connect_ports=ports if plan.has(Mechanism.LANDLOCK_NET) else None,
         allow_loopback=plan.allow_loopback,
         scopes=plan.has(Mechanism.LANDLOCK_SCOPE),

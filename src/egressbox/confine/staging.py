@@ -385,6 +385,9 @@ class Target(NamedTuple):
     root_fd: int
     path: str
     rules: Rules
+    # (uid, gid) that what the apply creates is given to (`run --user NAME`: root applies,
+    # NAME owns); None: the applier's own.
+    owner: tuple[int, int] | None = None
 
 
 class Selection(NamedTuple):
@@ -521,6 +524,8 @@ class _Apply:
             os.mkdir(name, mode | stat.S_IRWXU, dir_fd=host_fd)
         sub_host = openat2(host_fd, name, _DIR_FLAGS)
         try:
+            if host_kind is None:
+                self._give(sub_host)
             if kind == OPAQUE and wanted:
                 # The child replaced the directory: the host's contents go, then the mark, so
                 # that a resumed apply never clears what was applied since.
@@ -573,17 +578,18 @@ class _Apply:
             os.unlink(temp, dir_fd=host_fd)
         out = os.open(temp, flags, 0o600, dir_fd=host_fd)
         try:
-            offset = 0
-            while offset < st.st_size:
-                sent = os.copy_file_range(src, out, min(COPY_CHUNK, st.st_size - offset))
-                if sent <= 0:
-                    break
-                offset += sent
-            os.chmod(out, mode)
-            os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
-        finally:
-            os.close(out)
-        os.rename(temp, parts[-1], src_dir_fd=host_fd, dst_dir_fd=host_fd)
+            try:
+                _copy_bytes(src, out, st.st_size)
+                self._give(out)
+                os.chmod(out, mode)
+                os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+            finally:
+                os.close(out)
+            os.rename(temp, parts[-1], src_dir_fd=host_fd, dst_dir_fd=host_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the entry stays in the layer, named as failed
+                os.unlink(temp, dir_fd=host_fd)
+            raise
         self.journal.end()
 
     def _move(self, up_fd: int, host_fd: int, name: str) -> None:
@@ -598,8 +604,17 @@ class _Apply:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp, dir_fd=host_fd)
             os.symlink(target, temp, dir_fd=host_fd)
+            if self.target.owner is not None:
+                os.chown(temp, *self.target.owner, dir_fd=host_fd, follow_symlinks=False)
             os.rename(temp, name, src_dir_fd=host_fd, dst_dir_fd=host_fd)
             os.unlink(name, dir_fd=up_fd)
+
+    def _give(self, fd: int) -> None:
+        """What the apply made (a directory, a copy) goes to the target's owner, by
+        descriptor: never through a link. Renamed entries keep the owner the layer gave them
+        (the command's, set by the kernel when it wrote them)."""
+        if self.target.owner is not None:
+            os.fchown(fd, *self.target.owner)
 
     def _tick(self) -> None:
         self.count += 1
@@ -607,6 +622,38 @@ class _Apply:
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+# copy_file_range(2) refuses some pairs of file systems (EXDEV from a tmpfs layer to ext4
+# here, kernel 6.18): the bytes are then read and written, a MiB at a time.
+_NO_COPY_RANGE = (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS)
+_READ_CHUNK = 1 << 20
+
+
+def _copy_bytes(src: int, out: int, size: int) -> None:
+    offset = 0
+    while offset < size:
+        try:
+            sent = os.copy_file_range(src, out, min(COPY_CHUNK, size - offset), offset)
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_RANGE:
+                raise
+            break
+        if sent <= 0:
+            return
+        offset += sent
+    while offset < size:
+        data = os.pread(src, min(_READ_CHUNK, size - offset), offset)
+        if not data:
+            return
+        _write_all(out, data)
+        offset += len(data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _action(kind: str, host_kind: str | None) -> str:

@@ -71,16 +71,35 @@ def stage(
     cwd: str,
     review: bool,
     home: str,
+    owner: tuple[int, int] | None = None,
 ) -> Stage:
-    """The run's layer and handles on its roots (taken now, before the child starts)."""
+    """The run's layer and handles on its roots (taken now, before the child starts);
+    `owner` (run --user) gets what the apply creates."""
     chosen = [(r, rules_for(r, own=own, lifted=lifted, git_dirs=git_dirs)) for r in roots]
     layer = layers.create(chosen, home=home, argv=argv, cwd=cwd, review=review, writable=roots)
     try:
-        targets = layers.open_roots(layer)
+        targets = [t._replace(owner=owner) for t in layers.open_roots(layer)]
+        if owner is not None:
+            _give_uppers(layer, targets, owner)
     except BaseException:
         layers.discard(layer)
         raise
     return Stage(layer, targets, review)
+
+
+def _give_uppers(
+    layer: layers.Layer, targets: Sequence[staging.Target], owner: tuple[int, int]
+) -> None:
+    """run --user: overlayfs shows each upper's top directory as the root's own, so it is
+    NAME's (the command writes there as NAME; the layer's directory stays root's, 0700)."""
+    for target in targets:
+        fd = os.open(
+            f"u{target.number}", os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=layer.fd
+        )
+        try:
+            os.fchown(fd, *owner)
+        finally:
+            os.close(fd)
 
 
 def abandon(stage_: Stage | None) -> None:
