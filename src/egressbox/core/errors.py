@@ -49,6 +49,13 @@ class Reason(StrEnum):
     # A policy reload (SIGHUP, --watch-policy, set_policy) closed an open connection, or
     # refused a request held for an approval answer, that the new policy does not admit.
     POLICY_RELOADED = "policy_reloaded"
+    # Request rules on a host the proxy terminates (core/secrets.py, [[request_rule]]): a
+    # method or a path outside the rule, or a request beyond its budget (requests or bytes).
+    METHOD_DENIED = "method_denied"
+    PATH_DENIED = "path_denied"
+    BUDGET_EXCEEDED = "budget_exceeded"
+    # A secret's placeholder in a request to a host its [[secret]] entry does not bind.
+    SECRET_MISDIRECTED = "secret_misdirected"  # noqa: S105 - a reason code
     # Replies and logs only: the audit sink failed, so nothing is admitted
     # (and no record can say so).
     AUDIT_UNAVAILABLE = "audit_unavailable"

@@ -16,6 +16,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from egressbox.core import limits as lim
 from egressbox.core.errors import HostError, PolicyError
+from egressbox.core.secrets import (
+    RequestRule,
+    SecretSpec,
+    TlsSettings,
+    parse_request_rules,
+    parse_secrets,
+    parse_tls,
+)
 
 if TYPE_CHECKING:
     # Imported where used: rules, hosts and addresses (the compiled core, ipaddress),
@@ -122,6 +130,12 @@ class RunSettings(NamedTuple):
     process: ProcessSettings = ProcessSettings()
     filesystem: FilesystemSettings = FilesystemSettings()
     env: EnvSettings = EnvSettings()
+    # [[secret]] names (their placeholders go in the child's environment) and whether the
+    # proxy terminates any host (the child's view then trusts the run's CA): runner/brokering.py.
+    secret_names: tuple[str, ...] = ()
+    terminate: bool = False
+    # The variables [[secret]] values come from (from_env): held back from the child.
+    secret_env: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,6 +158,10 @@ class Policy:
     process: ProcessSettings = field(default_factory=ProcessSettings)
     filesystem: FilesystemSettings = field(default_factory=FilesystemSettings)
     env: EnvSettings = field(default_factory=EnvSettings)
+    # [[secret]], [[request_rule]] and [tls] (core/secrets.py): what the proxy terminates.
+    secrets: tuple[SecretSpec, ...] = ()
+    request_rules: tuple[RequestRule, ...] = ()
+    tls: TlsSettings = field(default_factory=TlsSettings)
     _allow_cidr_index: CidrIndex[IPNetwork] = field(default_factory=_cidr_index, repr=False)
     _deny_cidr_index: CidrIndex[IPNetwork] = field(default_factory=_cidr_index, repr=False)
 
@@ -155,7 +173,14 @@ class Policy:
 
     @property
     def run_settings(self) -> RunSettings:
-        return RunSettings(self.process, self.filesystem, self.env)
+        return RunSettings(
+            self.process,
+            self.filesystem,
+            self.env,
+            tuple(s.name for s in self.secrets),
+            bool(self.secrets or self.request_rules),
+            tuple(s.where[0] for s in self.secrets if s.source.value == "from_env"),
+        )
 
     def allow_cidr_for(self, ip: IPAddress) -> IPNetwork | None:
         return self._allow_cidr_index.first(ip)
@@ -203,7 +228,17 @@ FILESYSTEM_KEYS = (
 WORKSPACE_MODES = ("read-write", "read-only")
 TOOLCHAIN_CACHE_MODES = ("scratch", "real")
 ENV_KEYS = ("policy", "grant")
-TOP_KEYS = ("egress", "dns", "limits", "process", "filesystem", "env")
+TOP_KEYS = (
+    "egress",
+    "dns",
+    "limits",
+    "process",
+    "filesystem",
+    "env",
+    "secret",
+    "request_rule",
+    "tls",
+)
 RULE_TABLE_KEYS = ("host", "private", "broad")
 CIDR_TABLE_KEYS = ("cidr", "broad")
 
@@ -278,6 +313,20 @@ def parse_policy(
     return policy
 
 
+def _brokering_names(
+    data: Mapping[str, Any],
+) -> tuple[tuple[str, ...], bool, tuple[str, ...]]:
+    """RunSettings' secret names, terminate flag and from_env variables, read cheaply (the
+    whole policy, loaded after the fork, validates the entries)."""
+    entries = data.get("secret", [])
+    entries = [
+        e for e in (entries if isinstance(entries, list) else [entries]) if isinstance(e, dict)
+    ]
+    names = tuple(e["name"] for e in entries if isinstance(e.get("name"), str))
+    sources = tuple(e["from_env"] for e in entries if isinstance(e.get("from_env"), str))
+    return names, bool(entries or data.get("request_rule")), sources
+
+
 def _type_name(value: object) -> str:
     names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
     names |= {list: "a list", dict: "a table"}
@@ -340,6 +389,9 @@ class _Parser:
             filesystem=settings.filesystem,
             env=settings.env,
             source=self.source,
+            secrets=parse_secrets(data, self),
+            request_rules=parse_request_rules(data, self),
+            tls=parse_tls(data, self),
         )
         self.warn_about(policy)
         object.__setattr__(policy, "warnings", tuple(self.warnings))
@@ -575,6 +627,7 @@ class _Parser:
             self.process(self.table(data, "process")),
             self.filesystem(self.table(data, "filesystem")),
             self.env(self.table(data, "env")),
+            *_brokering_names(data),
         )
 
     def process(self, table: Mapping[str, Any]) -> ProcessSettings:

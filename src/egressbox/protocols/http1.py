@@ -98,6 +98,7 @@ HTTP_11: Final = "HTTP/1.1"
 # Every http:// URL without a port means port 80 (RFC 9110 §4.2.1), and so
 # does every ws:// URL (RFC 6455 §3).
 HTTP_DEFAULT_PORT: Final = 80
+HTTPS_DEFAULT_PORT: Final = 443  # a terminated connection's scheme (proxy/terminate.py)
 # Absolute-form schemes forwarded in plain text; the TLS ones need CONNECT.
 _PLAIN_SCHEMES: Final = frozenset({"http", "ws"})
 _TLS_SCHEMES: Final = frozenset({"https", "wss"})
@@ -699,6 +700,7 @@ class _RequestLine:
     """The request line, read; built once per head and never changed."""
 
     # A plain class: compiled, its __init__ is native (a dataclass's is interpreted).
+    default_port = HTTP_DEFAULT_PORT  # a Host field without a port names this one
     __slots__ = (
         "authority",
         "authority_text",
@@ -728,6 +730,14 @@ class _RequestLine:
         self.origin_target = origin_target
 
 
+class _OriginLine(_RequestLine):
+    """An origin-form request line on a connection the proxy terminates (proxy/terminate.py):
+    the target is the connection's own, a Host without a port means https's."""
+
+    __slots__ = ()
+    default_port = HTTPS_DEFAULT_PORT
+
+
 class RequestHeadParser:
     """Parse one request head fed in any chunking.
 
@@ -742,8 +752,13 @@ class RequestHeadParser:
     no HTTP is refused at once), and `_request_head` the field lines once the head is.
     """
 
-    def __init__(self, max_head_bytes: int = limits.MAX_HEAD_BYTES) -> None:
+    def __init__(
+        self, max_head_bytes: int = limits.MAX_HEAD_BYTES, *, origin: Authority | None = None
+    ) -> None:
+        """`origin`: read origin-form requests (`GET /path`) to this normalized host and
+        port, on a TLS connection the proxy terminates; nothing else is accepted then."""
         self._max_head_bytes = max_head_bytes
+        self._origin = origin
         self._lines = _LineBuffer(_bad_request)
         self._empty_lines = 0
         self._line: _RequestLine | None = None
@@ -778,7 +793,8 @@ class RequestHeadParser:
             if first is None:
                 return None
             if first:
-                self._line = _request_line(first)
+                origin = self._origin
+                self._line = _request_line(first) if origin is None else _origin_line(first, origin)
             else:
                 self._skip_empty_line()
         raw = self._lines.head(self._max_head_bytes, self._too_long)
@@ -813,6 +829,18 @@ def _request_line(raw: bytes) -> _RequestLine:
     method, target, version = line.split(" ")
     kind, authority_text, authority, origin_target = _interpret_target(method, target)
     return _RequestLine(method, target, version, kind, authority_text, authority, origin_target)
+
+
+def _origin_line(raw: bytes, origin: Authority) -> _RequestLine:
+    """The one reading of a request line, for a terminated connection: origin-form only."""
+    line = raw.decode("latin-1")
+    if _REQUEST_LINE_RE.fullmatch(line) is None:
+        raise _bare_fault(line, _bad_request) or _request_line_error(line)
+    method, target, version = line.split(" ")
+    if method == "CONNECT" or not target.startswith("/") or "#" in target:
+        raise _bad_request("send origin-form requests (GET /path) on this connection")
+    text = host_field(origin.host, origin.port, default_port=HTTPS_DEFAULT_PORT)
+    return _OriginLine(method, target, version, _REQUEST_KIND_FORWARD, text, origin, target)
 
 
 def _request_head(line: _RequestLine, raw: bytes) -> RequestHead:
@@ -994,7 +1022,7 @@ def _check_host(line: _RequestLine, values: list[str]) -> None:
         raw_host, raw_port = hosts.split_authority(values[0])
     except HostError:
         raise _bad_request("malformed Host header") from None
-    port = HTTP_DEFAULT_PORT if raw_port is None else _port(raw_port, "the Host header")
+    port = line.default_port if raw_port is None else _port(raw_port, "the Host header")
     if line.kind is _REQUEST_KIND_FORWARD and (
         port != line.authority.port or not _same_host(raw_host, line.authority.host)
     ):
@@ -1119,7 +1147,13 @@ def proxy_credentials(head: RequestHead) -> tuple[str, str] | None:
 # -- builders -------------------------------------------------------------------------------
 
 
-def forward_head(head: RequestHead, *, keep_alive: bool = False, host: str | None = None) -> bytes:
+def forward_head(
+    head: RequestHead,
+    *,
+    keep_alive: bool = False,
+    host: str | None = None,
+    default_port: int = HTTP_DEFAULT_PORT,
+) -> bytes:
     """The request head for the upstream, in origin-form.
 
     Hop-by-hop fields, fields named in Connection, and every Proxy-* field
@@ -1146,7 +1180,7 @@ def forward_head(head: RequestHead, *, keep_alive: bool = False, host: str | Non
     fields = _next_hop_fields(head.headers, head.connection_tokens, _HOP_BY_HOP_AND_HOST)
     if head.body.kind is _FRAMING_KIND_LENGTH:
         fields = _canonical_length(fields, head.body.length)
-    fields.insert(0, ("Host", host_field(host, head.authority.port)))
+    fields.insert(0, ("Host", host_field(host, head.authority.port, default_port=default_port)))
     if head.body.kind is _FRAMING_KIND_CHUNKED:
         fields.append(("Transfer-Encoding", "chunked"))  # the body reader re-encodes
     if head.upgrade:
@@ -1171,11 +1205,12 @@ def _canonical_length(fields: list[tuple[str, str]], length: int) -> list[tuple[
     return out
 
 
-def host_field(host: str, port: int) -> str:
+def host_field(host: str, port: int, *, default_port: int = HTTP_DEFAULT_PORT) -> str:
     """The Host field value for a normalized host (hosts.normalize_host's text): an IPv6
-    address in brackets, the port unless it is http's and ws's default (RFC 9110 §7.2)."""
+    address in brackets, the port unless it is the scheme's default (RFC 9110 §7.2): http's
+    and ws's, or https's on a terminated connection."""
     text = f"[{host}]" if ":" in host else host
-    return text if port == HTTP_DEFAULT_PORT else f"{text}:{port}"
+    return text if port == default_port else f"{text}:{port}"
 
 
 def _decided_host(raw: str) -> str:

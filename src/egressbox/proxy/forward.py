@@ -48,11 +48,12 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Final, cast
 
 from egressbox.core.decide import Decision
+from egressbox.core.errors import AuditError
 from egressbox.core.hosts import IPAddress, format_authority
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.dial import DialError, Dialing, start_connect
 from egressbox.protocols import http1
-from egressbox.proxy.gate import OpenTarget
+from egressbox.proxy.gate import OpenTarget, gate_request
 from egressbox.proxy.replies import dial_http_status, http_status
 from egressbox.proxy.upstream import UpstreamDial, dial_through
 
@@ -396,6 +397,8 @@ class Forwarder(asyncio.Protocol):
             status = http_status(decision.reason)
             self._refuse(http1.error_reply(status, decision.reason.value, decision.detail))
             return
+        if self.state.broker is not None and self._request_refused(decision):
+            return
         self.decision = decision
         kept = self.upstream
         if kept is not None and kept.admits(decision):
@@ -404,6 +407,26 @@ class Forwarder(asyncio.Protocol):
         self._drop_upstream()
         self._sync_reading()
         self._connect(decision)
+
+    def _request_refused(self, decision: Decision) -> bool:
+        """A secret's placeholder sent where it is not bound, or a request rule or budget
+        that refuses this request (the gate audits it): answered 403, True. Never put in
+        over plain HTTP: a bound host gets its placeholder as it is."""
+        from egressbox.proxy.terminate import request_facts
+
+        assert self.request is not None
+        try:
+            refusal = gate_request(
+                self.state, self.conn.protocol_name, decision, request_facts(self.request)
+            )
+        except AuditError:
+            refusal = None
+        if refusal is None:
+            return False
+        self.conn.log_refusal(refusal)
+        status = http_status(refusal.reason)
+        self._refuse(http1.error_reply(status, refusal.reason.value, refusal.detail))
+        return True
 
     def _connect(self, decision: Decision) -> None:
         """Dial one of the decision's addresses; the exchange starts from the report."""

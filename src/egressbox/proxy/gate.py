@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple, Protocol
 
@@ -64,6 +64,7 @@ _DENY: Final = Verdict.DENY
 _DNS: Final = AuditProtocol.DNS
 _NO_ALLOW_RULE: Final = Reason.NO_ALLOW_RULE
 _POLICY_RELOADED: Final = Reason.POLICY_RELOADED
+_SECRET_MISDIRECTED: Final = Reason.SECRET_MISDIRECTED
 _TOO_MANY_CONNECTIONS: Final = Reason.TOO_MANY_CONNECTIONS
 
 Log = Callable[[str], None]
@@ -105,6 +106,24 @@ class Meter(Protocol):
     def dns_query(self, seconds: float, outcome: str) -> None: ...
 
     def dns_cache_hit(self) -> None: ...
+
+
+class Brokering(Protocol):
+    """What the gate asks about a request on a connection it can read (proxy/broker.py's
+    Broker): a secret's placeholder sent to a host it is not bound to, and the request rules
+    and budgets of a terminated host. Nothing it returns carries a value or a path."""
+
+    def terminates(self, host: str, port: int) -> bool: ...
+
+    def misdirected(
+        self, host: str, port: int, target: str, headers: Sequence[tuple[str, str]]
+    ) -> str | None: ...
+
+    def judge(
+        self, host: str, port: int, method: str, target: str, size: int
+    ) -> tuple[Reason, str] | None: ...
+
+    def more_bytes(self, host: str, port: int, size: int) -> tuple[Reason, str] | None: ...
 
 
 class Held(Protocol):
@@ -162,6 +181,8 @@ class ProxyState:
     approvals: Approvals | None = None
     # serve --admin: counts decisions, audit failures and relayed bytes (None: nothing).
     meter: Meter | None = None
+    # [[secret]] and [[request_rule]] (proxy/broker.py): None when the policy has neither.
+    broker: Brokering | None = None
 
     def event_loop(self) -> asyncio.AbstractEventLoop:
         return self.loop or asyncio.get_running_loop()
@@ -569,3 +590,51 @@ def recheck_session_approved(state: ProxyState, target: OpenTarget) -> Decision 
         return bad_target(exc, target.port)
     passed = NamePass(parsed, None)
     return decide_addresses(policy, passed, target.addresses, self_endpoints=state.self_endpoints)
+
+
+# -- requests the proxy can read: plain HTTP, and terminated hosts (proxy/terminate.py) ------
+
+
+def gate_request(
+    state: ProxyState,
+    protocol: AuditProtocol,
+    admitted: Decision,
+    request: RequestFacts,
+    *,
+    rules: bool = True,
+) -> Decision | None:
+    """The audited refusal of one request on a connection `admitted` let through, or None
+    to send it: a placeholder bound to another host (`secret_misdirected`), then with
+    `rules` the request rules and budgets (`method_denied`, `path_denied`,
+    `budget_exceeded`). Admitted requests are counted against the budgets here."""
+    broker = state.broker
+    if broker is None:
+        return None
+    host, port = admitted.host, admitted.port
+    name = broker.misdirected(host, port, request.target, request.headers)
+    refused: tuple[Reason, str] | None = None
+    if name is not None:
+        refused = (_SECRET_MISDIRECTED, f"the placeholder of {name} is not bound to this host")
+    elif rules:
+        refused = broker.judge(host, port, request.method, request.target, request.size)
+    if refused is None:
+        return None
+    return gate_refused(state, protocol, admitted, refused)
+
+
+def gate_refused(
+    state: ProxyState, protocol: AuditProtocol, admitted: Decision, refused: tuple[Reason, str]
+) -> Decision:
+    """The audited refusal of a request (or of the rest of its body) on an admitted connection."""
+    reason, detail = refused
+    decision = Decision(_DENY, reason, admitted.host, admitted.port, (), admitted.rule, detail)
+    return gate_audited(state, protocol, decision, admitted.host, admitted.port)
+
+
+class RequestFacts(NamedTuple):
+    """What the gate reads of a request: never logged, never audited."""
+
+    method: str
+    target: str  # the path and query (origin-form)
+    headers: Sequence[tuple[str, str]]
+    size: int  # head bytes plus the declared body length (0 for chunked: counted as it comes)

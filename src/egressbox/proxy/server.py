@@ -21,9 +21,9 @@ import ipaddress
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from egressbox.audit.record import (
     AuditRecord,
@@ -59,6 +59,9 @@ from egressbox.proxy.gate import (
 )
 from egressbox.proxy.listeners import ProxyHeaderConnection, ProxyHeaderGate
 from egressbox.proxy.tunnel import Connection
+
+if TYPE_CHECKING:
+    from egressbox.proxy.broker import Broker
 
 # Listen backlog: large enough for a burst of short tunnels from a parallel
 # build (Linux caps it at net.core.somaxconn, 4096 by default).
@@ -133,6 +136,8 @@ class EgressProxy:
         proxy_protocol_from: Sequence[str] | None = None,
         upstream: UpstreamProxy | None = None,
         upstream_credentials: UpstreamCredentials | None = None,
+        secrets: Mapping[str, str] | None = None,
+        broker: Broker | None = None,
     ) -> None:
         """`log` gets one line per connection; with `log_allowed` False only refusals (the
         audit records have everything). `capture_sockets` (listeners a child's connections
@@ -185,8 +190,19 @@ class EgressProxy:
         self._upstream_credentials = upstream_credentials
         self._credentials_read = upstream_credentials is not None
         self.state.upstream = self._upstream_for(policy)
+        self.state.broker = self.broker = _broker_for(policy, broker, secrets)
         self._servers: list[asyncio.Server] = []
         self.listeners: list[Listener] = []
+
+    @property
+    def placeholders(self) -> dict[str, str]:
+        """What a client holds in place of each [[secret]]'s value (name -> placeholder)."""
+        return dict(self.broker.placeholders) if self.broker is not None else {}
+
+    @property
+    def ca_pem(self) -> str | None:
+        """The CA certificate (PEM) a client must trust for the terminated hosts."""
+        return self.broker.ca.cert_pem if self.broker is not None else None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -566,3 +582,29 @@ def _unmapped_text(host: str) -> str:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return str(ip.ipv4_mapped)
     return str(ip)
+
+
+def _broker_for(
+    policy: Policy | None, broker: Broker | None, secrets: Mapping[str, str] | None
+) -> Broker | None:
+    """The policy's [[secret]] and [[request_rule]] entries, their values read now (once):
+    `secrets` gives values by name instead of each entry's source (ValueError for a name no
+    [[secret]] entry has). `broker`: one made already (`run` makes it before the fork: the
+    child's placeholders and the CA its view trusts)."""
+    if broker is None:
+        if policy is None or (not policy.secrets and not policy.request_rules):
+            if secrets:
+                raise ValueError("secrets= needs [[secret]] entries in the policy (their hosts)")
+            return None
+        from egressbox.proxy.broker import Broker
+
+        broker = Broker.for_policy(policy)
+        assert broker is not None
+    given = dict(secrets or {})
+    unknown = sorted(set(given) - {s.name for s in broker.secrets})
+    if unknown:
+        raise ValueError(f"secrets= names no [[secret]] entry of the policy: {', '.join(unknown)}")
+    for name, value in given.items():
+        broker.set_value(name, value)
+    broker.load(skip=given)
+    return broker

@@ -180,6 +180,18 @@ class Connection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return  # the client left while the decision was made: nothing to dial
         state = self.state
+        broker = state.broker
+        if (
+            broker is not None
+            and state.upstream is None
+            and broker.terminates(decision.host, decision.port)
+        ):
+            # A host a secret is bound to (or with request rules): TLS terminated, each
+            # request read and judged (proxy/terminate.py). Not through an upstream proxy.
+            from egressbox.proxy.terminate import start_terminating
+
+            start_terminating(self, decision, to_upstream)
+            return
         loop = state.event_loop()
         tunnel = new_tunnel(idle_timeout=state.limits.idle_timeout, loop=loop)
         self.dialed = decision

@@ -228,7 +228,7 @@ async def spawn_confined(
     prepared, launched = _start(options, None, capture_output)
     hold = _Hold(launched, prepared=prepared)
     try:
-        proxy = _make_proxy(launched, options, audit=audit)
+        proxy = _make_proxy(launched, options, audit=audit, brokering=prepared.brokering)
     except BaseException:
         hold.abandon()
         raise

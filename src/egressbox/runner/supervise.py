@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from egressbox.audit.record import AuditRecord, AuditSink
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord
     from egressbox.proxy.server import EgressProxy
+    from egressbox.runner.brokering import RunBrokering
 
 
 async def supervise(
@@ -50,7 +51,9 @@ async def supervise(
     """
     hold = _Hold(launched, prepared=prepared)
     try:
-        hold.proxy = _make_proxy(launched, options, audit=audit, log=log)
+        hold.proxy = _make_proxy(
+            launched, options, audit=audit, log=log, brokering=prepared.brokering
+        )
     except BaseException:
         hold.abandon()
         raise
@@ -58,7 +61,12 @@ async def supervise(
 
 
 def _make_proxy(
-    launched: Launched, options: RunOptions, *, audit: AuditSink | None = None, log: Any = None
+    launched: Launched,
+    options: RunOptions,
+    *,
+    audit: AuditSink | None = None,
+    log: Any = None,
+    brokering: RunBrokering | None = None,
 ) -> EgressProxy:
     """The proxy for the launcher's listeners (not started: _supervise() starts it)."""
     from egressbox.net.resolve import DnsResolver
@@ -89,6 +97,9 @@ def _make_proxy(
         capture_sockets=capture,
         dns_sockets=dns,
         destinations=launched.destinations,
+        # The values are read here, by the unconfined proxy, after the fork (broker.py).
+        broker=brokering.broker(options.policy) if brokering is not None else None,
+        secrets=options.secrets,
         **asking,
     )
     return proxy
