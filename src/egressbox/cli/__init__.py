@@ -302,12 +302,26 @@ def _add_run(sub: Subparsers) -> None:
     p.add_argument(
         "--profile",
         default=None,
-        choices=["unrestricted", "workspace_paths", "worktree", "os_hardened"],
-        help="how strictly to confine (default: [process] profile of --policy, else "
-        "workspace_paths; os_hardened refuses to run without every mechanism)",
+        choices=["unrestricted", "worktree", "os_hardened", "workspace_paths"],
+        help="how strictly to confine (default worktree; the stricter of this and [process] "
+        "profile of --policy wins; os_hardened refuses to run without every mechanism; "
+        "workspace_paths is a deprecated name of worktree)",
+    )
+    p.add_argument(
+        "--no-sandbox",
+        action="store_true",
+        help="Harn's name for --profile unrestricted: no filesystem rules (said on stderr); "
+        "the network boundary stays; refused with a root flag, as in Harn",
+    )
+    p.add_argument(
+        "--allow-process-network",
+        action="store_true",
+        help="Harn's flag, accepted: the command always reaches the network through the "
+        "proxy only, under the policy (nothing more opens)",
     )
     p.add_argument(
         "--read-root",
+        "--read-only-root",
         action="append",
         default=[],
         metavar="PATH",
@@ -324,6 +338,7 @@ def _add_run(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--process-read-root",
+        "--sandbox-read-root",
         action="append",
         default=[],
         metavar="PATH",
@@ -332,6 +347,7 @@ def _add_run(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--process-write-root",
+        "--sandbox-write-root",
         action="append",
         default=[],
         metavar="PATH",
@@ -372,16 +388,20 @@ def _add_run(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--allow-loopback",
+        "--allow-process-loopback",
         action="store_true",
-        help="let the command run and reach its own servers on its private lo",
+        help="let the command run and reach its own TCP servers on its private lo ([process] "
+        "allow_tcp_loopback)",
     )
     p.add_argument(
         "--unix-socket-root",
+        "--sandbox-unix-socket-root",
         action="append",
         default=[],
         metavar="PATH",
-        help="make the unix sockets under PATH reachable (read-only; repeatable; added to "
-        "[filesystem] unix_socket_roots); no other host socket exists for the command",
+        help="let the command connect to the unix sockets under PATH and bind its own there "
+        "(its other files stay read-only; repeatable; added to [filesystem] "
+        "unix_socket_roots); a socket under any other root cannot be connected to",
     )
     p.add_argument(
         "--writable-trusted",
@@ -796,6 +816,29 @@ def _proxy_protocol_from(args: argparse.Namespace) -> tuple[str, ...] | None:
 # -- run -----------------------------------------------------------------------------
 
 
+# Harn's flags and the root flags --no-sandbox refuses (Harn: "rejected alongside
+# --no-sandbox, which would make them meaningless"): (dest, the flag as Harn names it).
+_ROOT_FLAGS = (
+    ("write_root", "--write-root"),
+    ("read_root", "--read-root/--read-only-root"),
+    ("process_write_root", "--process-write-root/--sandbox-write-root"),
+    ("process_read_root", "--process-read-root/--sandbox-read-root"),
+)
+
+
+def no_sandbox(args: argparse.Namespace) -> str:
+    """--no-sandbox as --profile unrestricted; a problem with it ("" when none)."""
+    if not getattr(args, "no_sandbox", False):
+        return ""
+    given = [flag for dest, flag in _ROOT_FLAGS if getattr(args, dest, None)]
+    if given:
+        return f"--no-sandbox refuses {', '.join(given)}: without a sandbox a root means nothing"
+    if args.profile not in (None, "unrestricted"):
+        return f"--no-sandbox is --profile unrestricted; --profile {args.profile} contradicts it"
+    args.profile = "unrestricted"
+    return ""
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     argv = list(args.cmd)
     if argv and argv[0] == "--":
@@ -805,6 +848,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             "egressbox run: give the command after --, e.g. egressbox run -- curl URL",
             file=sys.stderr,
         )
+        return EXIT_USAGE
+    problem = no_sandbox(args)
+    if problem:
+        print(f"egressbox run: {problem}", file=sys.stderr)
         return EXIT_USAGE
     from egressbox.runner import zygote
 

@@ -203,6 +203,7 @@ def _cli_options(
             read_only_workspace=getattr(args, "read_only_workspace", False),
             toolchain_cache=getattr(args, "toolchain_cache", None),
             workspace=getattr(args, "workspace", None),
+            allow_loopback=args.allow_loopback,
         )
     except ValueError as exc:
         write_err(str(exc))
@@ -217,7 +218,6 @@ def _cli_options(
     return RunOptions(
         argv=tuple(argv),
         policy=None,
-        allow_loopback=args.allow_loopback,
         allow_direct_network=args.allow_direct_network,
         pass_fds=tuple(args.pass_fd),
         nameservers=servers,

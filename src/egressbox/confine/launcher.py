@@ -72,6 +72,8 @@ class LaunchPlan(NamedTuple):
     write: tuple[str, ...] = ()
     deny: tuple[str, ...] = ()
     read_only_inside_write: tuple[str, ...] = ()
+    # Unix socket roots: read, and the making of a socket (bind); nothing else written.
+    sockets: tuple[str, ...] = ()
     allow_loopback: bool = False
     pass_fds: tuple[int, ...] = ()
     rlimit_nofile: int | None = None
@@ -781,6 +783,7 @@ def _landlock(plan: LaunchPlan, ports: tuple[int, ...]) -> dict[str, Any]:
     report = landlock_apply.apply(
         read=read if plan.has(Mechanism.LANDLOCK_FS) else None,
         write=write,
+        sockets=plan.sockets,
         connect_ports=ports if plan.has(Mechanism.LANDLOCK_NET) else None,
         allow_loopback=plan.allow_loopback,
         scopes=plan.has(Mechanism.LANDLOCK_SCOPE),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -29,9 +30,11 @@ from egressbox.confine.plan import (
     ADMIT_HINT,
     CAPTURE_FILES,
     CREDENTIALS,
+    DEFAULT_PROFILE,
     HOST_NEEDS,
     PACKAGE_MANAGER_CONFIG,
     PRESETS,
+    PROC_NET_UNIX,
     REQUIREMENT_FALLBACK,
     Enforcement,
     FsPlan,
@@ -40,11 +43,14 @@ from egressbox.confine.plan import (
     Profile,
     Refusal,
     WorldSpec,
+    bound_socket_paths,
     choose_mechanisms,
     expand_user,
     host_trusted,
     is_under,
     plan_filesystem,
+    socket_bind_roots,
+    sockets_to_hide,
     tmpfs_sizes,
     wanted,
 )
@@ -66,8 +72,10 @@ from egressbox.runner.gate import (
 from egressbox.runner.gate import stage as gate_stage
 from egressbox.runner.layers import state_home
 from egressbox.runner.options import (
+    ENV_ROOTS,
     ENV_SANDBOX,
     ROOT_DETAIL,
+    SANDBOX_MODES,
     SCRATCH_DIR,
     MechanismReport,
     RootReport,
@@ -145,7 +153,7 @@ class Prepared:
         self.warnings = [] if warnings is None else warnings
         self.homes = homes
         self.roots = []
-        self.profile = Profile.WORKSPACE_PATHS
+        self.profile = DEFAULT_PROFILE
         self.created_watch = ()
         self.guard = None
         self.capture_off = ""
@@ -197,6 +205,8 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     )
     executable = resolve_command(options.argv[0], base, cwd)
     _check_cwd(cwd, layout, options, executables=executable.grants, files=files)
+    if files:
+        refuse_outside_parent(base.get(ENV_ROOTS), layout, options, home)
     scratch, cleanup = _scratch(layout, mounts)
     if account is not None and scratch is not None and not mounts:
         _give_scratch(scratch, account)
@@ -273,6 +283,13 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     if files:
         fs, copies = _clean_copies(
             fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen, warnings, notes
+        )
+    if files:
+        env[ENV_ROOTS] = roots_variable(fs, roots.sockets)
+    if roots.sockets and files and Mechanism.LANDLOCK_FS not in chosen:
+        warnings.append(
+            "unix socket roots admit connect only here: a bind there needs Landlock's "
+            "filesystem rules, which keep their other files read-only"
         )
     capture_off = _capture_off(options, chosen, facts)
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
@@ -410,7 +427,7 @@ def _finish(
     prepared.profile = profile
     prepared.created_watch = tuple(p for p in trusted if not os.path.lexists(p))
     prepared.capture_off = capture_off
-    prepared.announcements = _announcements(options, roots, files) if options.announce else []
+    prepared.announcements = _announcements(options, roots, files, home) if options.announce else []
     prepared.caches = caches.roots
     prepared.cache_mode = CacheMode(options.toolchain_cache)
     prepared.foreign_locale = _message_locale(env)
@@ -479,10 +496,22 @@ def _mechanisms(
 ) -> tuple[Profile, frozenset[Mechanism], list[str]]:
     """The profile, the mechanisms this host gives it, and the warnings; or a refusal."""
     profile = effective_profile(options.profile, base)
-    chosen, refusals = choose_mechanisms(profile, facts)
-    extra, warnings = _sandbox_fallback(profile, chosen, facts, base)
+    warnings = list(options.notes)
+    if profile is not options.profile:
+        warnings.append(
+            f"profile {options.profile.value} asked; the enclosing egressbox run's profile "
+            f"{profile.value} is stricter and wins"
+        )
+    mode = _sandbox_mode(base, warnings)
+    files_off = profile is Profile.UNRESTRICTED or (profile is Profile.WORKTREE and mode == "off")
+    # EGRESSBOX_SANDBOX=off: worktree applies what unrestricted does (the network boundary).
+    chosen, refusals = choose_mechanisms(Profile.UNRESTRICTED if files_off else profile, facts)
+    extra, gaps = ([], []) if files_off else _sandbox_fallback(profile, chosen, facts, mode)
     if refusals or extra:
         raise RunRefusedError(refusals + extra)
+    warnings += gaps
+    if files_off:
+        warnings.append(_files_off_line(profile, mode))
     _refuse_open_network(chosen, options)
     warnings += _refuse_unconfinable(options, chosen)
     if Mechanism.NETWORK_NAMESPACE in wanted(profile) - chosen:
@@ -549,6 +578,96 @@ def _namespace_blocker_line() -> list[str]:
     return [found.line()] if found is not None else []
 
 
+# Said once per run whose command's files are unconfined: what is dropped, and what stays.
+UNCONFINED_FILES = (
+    "no filesystem rules: the command may read and write every file you may (~/.ssh "
+    "included); the network boundary stays (the proxy decides every connection)"
+)
+
+
+def _files_off_line(profile: Profile, mode: str) -> str:
+    if profile is Profile.UNRESTRICTED:
+        return f"profile unrestricted (--no-sandbox): {UNCONFINED_FILES}"
+    return f"{ENV_SANDBOX}={mode}: profile {profile.value} runs with {UNCONFINED_FILES}"
+
+
+def _sandbox_mode(env: Mapping[str, str], warnings: list[str]) -> str:
+    """EGRESSBOX_SANDBOX's value; an unknown one is said and read as warn (the default)."""
+    mode = env.get(ENV_SANDBOX, "") or "warn"
+    if mode not in SANDBOX_MODES:
+        warnings.append(
+            f"{ENV_SANDBOX}={mode} is not one of {', '.join(SANDBOX_MODES)}: read as warn"
+        )
+        return "warn"
+    return mode
+
+
+def refuse_outside_parent(text: str | None, layout: Layout, options: RunOptions, home: str) -> None:
+    """A nested run (its environment holds the outer run's EGRESSBOX_ROOTS) refuses, before it
+    starts, a root its parent did not grant: the outer world would hide or refuse it anyway,
+    and the command would fail later for a reason it cannot see."""
+    parent = _parent_roots(text)
+    if parent is None:
+        return
+    write, read = parent
+    process_write = expand(options.process_write_roots, home)
+    held = options.read_only_workspace  # process write roots are then read-only
+    asked_write = (*layout.writable, *(() if held else process_write))
+    asked_read = (
+        *layout.readable,
+        *(process_write if held else ()),
+        *expand(options.read_roots, home),
+        *expand(options.process_read_roots, home),
+        *expand(options.unix_socket_roots, home),
+    )
+    for path in asked_write:
+        if not any(is_under(path, w) for w in write):
+            raise EgressboxError(_outside_parent(path, "write", write))
+    for path in asked_read:
+        if not any(is_under(path, r) for r in (*write, *read)):
+            raise EgressboxError(_outside_parent(path, "read", (*write, *read)))
+
+
+def _parent_roots(text: str | None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    if not text:
+        return None
+    import json
+
+    try:
+        data = json.loads(text)
+        write = tuple(str(p) for p in data["write"])
+        read = tuple(str(p) for p in data["read"])
+    except (ValueError, KeyError, TypeError):
+        return None  # not an outer run's: its world, if any, still holds
+    return write, read
+
+
+def _outside_parent(path: str, access: str, granted: Sequence[str]) -> str:
+    shown = ", ".join(list(granted)[:_PARENT_ROOTS_SHOWN])
+    more = len(granted) - _PARENT_ROOTS_SHOWN
+    if more > 0:
+        shown += f" and {more} more"
+    return (
+        f"refused: this run is nested in another egressbox run, which does not let its "
+        f"command {access} {path} (it grants {access} under: {shown or 'nothing'}); a nested "
+        f"run can grant only what its parent granted: grant {path} to the outer run, or "
+        f"choose a root inside the parent's"
+    )
+
+
+# Roots of the parent named in a refusal (the presets make dozens; the first are the user's).
+_PARENT_ROOTS_SHOWN = 6
+
+
+def roots_variable(fs: FsPlan, sockets: Sequence[str]) -> str:
+    """EGRESSBOX_ROOTS for the command: what this run grants, for a run nested in it."""
+    import json
+
+    write = list(dict.fromkeys(fs.write))
+    read = [p for p in dict.fromkeys((*fs.read, *sockets)) if p not in fs.deny]
+    return json.dumps({"write": write, "read": read}, separators=(",", ":"))
+
+
 def _environment(
     options: RunOptions,
     base: Mapping[str, str],
@@ -584,11 +703,18 @@ def _collect_roots(
 ) -> _Roots:
     granted = list(caches.grants) if files else []
     warnings = list(caches.notes)
+    process_read = expand(options.process_read_roots, home)
+    process_write = expand(options.process_write_roots, home)
+    if options.read_only_workspace:
+        # Harn's process write roots are gated by the workspace-write capability: a read-only
+        # workspace makes them read-only too (a toolchain cache, --toolchain-cache real, is a
+        # choice of its own and stays writable).
+        process_read, process_write = (*process_read, *process_write), ()
     return _Roots(
         layout,
         read=expand(options.read_roots, home),
-        process_read=expand(options.process_read_roots, home),
-        process_write=(*expand(options.process_write_roots, home), *(p for p, _ in granted)),
+        process_read=process_read,
+        process_write=(*process_write, *(p for p, _ in granted)),
         sockets=expand(options.unix_socket_roots, home),
         caches=tuple(granted),
         warnings=tuple(warnings),
@@ -626,6 +752,13 @@ def _launch_plan(
     # A read grant inside a writable root adds nothing (a venv in the workspace stays
     # writable); read-only roots nested in writable ones are fs.read_only_inside_write.
     readable = [p for p in (*fs.read, *socket_roots) if not any(is_under(p, w) for w in writable)]
+    # Only socket roots admit a socket: a bind there (read-write bind, Landlock admitting the
+    # making of a socket and no other write) and a connect; a live socket under any other
+    # grant is covered (plan.py sockets_to_hide). Without Landlock's filesystem rules a
+    # read-write bind would make the socket root writable: it stays read-only (connect only).
+    landlock = Mechanism.LANDLOCK_FS in chosen
+    socket_bind = socket_bind_roots(socket_roots, fs.write, writable) if landlock else ()
+    hidden = live_sockets((*readable, *writable), socket_roots) if mounts else ()
     # One memory figure for the run: a cgroup where the host delegates one; the private file
     # systems' sizes fit in it either way (confine/plan.py tmpfs_sizes).
     budget = options.max_memory or _half_the_memory()
@@ -634,8 +767,9 @@ def _launch_plan(
     world = WorldSpec(
         grants=(*((p, False) for p in readable), *((p, True) for p in writable)),
         read_only=fs.read_only_inside_write,
-        mask=fs.deny,
+        mask=(*fs.deny, *hidden),
         socket_roots=socket_roots,
+        socket_bind=socket_bind if mounts else (),
         scratch=(scratch.tmp, scratch.cache) if scratch is not None and mounts else (),
         cwd=os.path.realpath(options.cwd or os.getcwd()),
         protect_kernel=os.getuid() == 0,
@@ -662,6 +796,7 @@ def _launch_plan(
         write=(*fs.write, READ_ONLY_SCRATCH) if read_only else fs.write,
         deny=fs.deny,
         read_only_inside_write=fs.read_only_inside_write,
+        sockets=socket_bind,
         allow_loopback=options.allow_loopback,
         pass_fds=options.pass_fds,
         rlimit_nofile=options.rlimit_nofile,
@@ -676,6 +811,27 @@ def _launch_plan(
         world=world if mounts else None,
         capture=capture,
     )
+
+
+def live_sockets(granted: Sequence[str], socket_roots: Sequence[str]) -> tuple[str, ...]:
+    """The host's bound unix sockets under a grant but not under a socket root, as real paths
+    (what the world covers); /proc/net/unix lists the sockets of this network namespace."""
+    try:
+        with open(PROC_NET_UNIX, encoding="utf-8", errors="surrogateescape") as f:
+            table = f.read()
+    except OSError:
+        return ()
+    found = [os.path.realpath(p) for p in bound_socket_paths(table)]
+    live = [p for p in dict.fromkeys(found) if _is_socket(p)]
+    grants = {os.path.realpath(p) for p in granted}
+    return sockets_to_hide(live, grants, [os.path.realpath(p) for p in socket_roots])
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _refuse_unconfinable(options: RunOptions, chosen: frozenset[Mechanism]) -> list[str]:
@@ -694,7 +850,7 @@ def _refuse_unconfinable(options: RunOptions, chosen: frozenset[Mechanism]) -> l
     if options.read_only_workspace:
         raise EgressboxError(
             "refused: a read-only workspace (--read-only-workspace, [filesystem] workspace) "
-            f"cannot be applied: {why}; choose --profile workspace_paths"
+            f"cannot be applied: {why}; choose --profile worktree"
         )
     if options.deny:
         return [f"[filesystem] deny entries are not applied: {why}"]
@@ -831,7 +987,7 @@ def _workspace_detail(layout: Layout) -> str:
     return detail
 
 
-def _announcements(options: RunOptions, roots: _Roots, files: bool) -> list[str]:
+def _announcements(options: RunOptions, roots: _Roots, files: bool, home: str) -> list[str]:
     layout = roots.layout
     tools = dict(roots.caches)
     write = [(p, "") for p in layout.workspaces if options.write_roots]
@@ -841,7 +997,11 @@ def _announcements(options: RunOptions, roots: _Roots, files: bool) -> list[str]
         for p in roots.process_write
     ]
     read = [(p, "") for p in roots.read]
-    read += [(p, "for tools") for p in roots.process_read]
+    held = set(expand(options.process_write_roots, home)) if layout.read_only else set()
+    read += [
+        (p, "for tools; read-only: --read-only-workspace" if p in held else "for tools")
+        for p in roots.process_read
+    ]
     read += [(p, why) for p, why in layout.git_read]
     if layout.read_only:
         read += [(p, why) for p, why in layout.git_write]
@@ -1124,13 +1284,13 @@ def _sandbox_fallback(
     profile: Profile,
     chosen: frozenset[Mechanism],
     facts: HostFacts,
-    env: Mapping[str, str],
+    mode: str,
 ) -> tuple[list[Refusal], list[str]]:
-    """worktree is best effort; EGRESSBOX_SANDBOX=off|warn|enforce picks what a gap means."""
+    """worktree is best effort; EGRESSBOX_SANDBOX=warn|enforce picks what a gap means (off
+    drops the filesystem rules before this is asked)."""
     missing = sorted(wanted(profile) - chosen)
     if profile is not Profile.WORKTREE or not missing:
         return [], []
-    mode = env.get(ENV_SANDBOX, "warn")
     if mode == "enforce":
         return [
             Refusal(
@@ -1143,8 +1303,6 @@ def _sandbox_fallback(
             )
             for m in missing
         ], []
-    if mode == "off":
-        return [], []
     names = ", ".join(m.value for m in missing)
     return [], [
         (

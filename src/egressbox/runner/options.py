@@ -13,9 +13,12 @@ from egressbox.confine.env import (
 )
 from egressbox.confine.plan import (
     DEFAULT_PRESETS,
+    DEFAULT_PROFILE,
     Enforcement,
     Profile,
     Refusal,
+    parse_profile,
+    profile_note,
     strictest,
 )
 from egressbox.core.errors import EgressboxError
@@ -36,12 +39,20 @@ SCRATCH_DIR = ".egressbox"
 
 
 ENV_SANDBOX = "EGRESSBOX_SANDBOX"
+# Its values (Harn's HARN_HANDLER_SANDBOX's), read for the worktree profile only: off drops the
+# filesystem rules (the network boundary stays), warn runs without a missing mechanism and
+# says so, enforce refuses instead. os_hardened ignores it: it requires every mechanism.
+SANDBOX_MODES = ("off", "warn", "enforce")
 
 # run --workspace: writes staged in a layer and applied through the gate, or direct (live).
 WORKSPACE_MODES = ("staged", "direct")
 
 
 ENV_PROFILE = "EGRESSBOX_PROFILE"
+# What an outer run granted, for a nested run to check its roots against before it starts:
+# JSON {"write": [...], "read": [...]} of real paths (runner/assemble.py). Advisory: the outer
+# run's world is the wall; a command that edits the variable only loses the early message.
+ENV_ROOTS = "EGRESSBOX_ROOTS"
 
 
 # --timeout: the run's exit code when it expires (as coreutils timeout), and
@@ -68,7 +79,7 @@ class RunOptions(NamedTuple):
 
     argv: tuple[str, ...]
     policy: Policy | None
-    profile: Profile = Profile.WORKSPACE_PATHS
+    profile: Profile = DEFAULT_PROFILE
     write_roots: tuple[str, ...] = ()
     read_roots: tuple[str, ...] = ()
     env_policy: EnvPolicy = EnvPolicy.INHERITED
@@ -162,7 +173,8 @@ ROOT_DETAIL = {
     "process_write": "read+write, for the command's tools; not a workspace (no TMPDIR, "
     "caches or scratch directory)",
     "executable": "read+execute: the command, its interpreter or venv",
-    "unix_socket": "read-only; its unix sockets may be connected to",
+    "unix_socket": "its unix sockets may be connected to and made (bind), its other files "
+    "read-only; inside the private /tmp or /var/tmp: connect only",
     "git": "read+write: the repository's git directory outside the workspace (a linked "
     "worktree's); hooks and config read-only",
     "git_objects": "read-only: objects borrowed through objects/info/alternates",
@@ -210,6 +222,27 @@ def effective_profile(requested: Profile, env: Mapping[str, str]) -> Profile:
     return strictest(requested, outer)
 
 
+def chosen_profile(asked: Profile | str | None, table: str | None) -> tuple[Profile, list[str]]:
+    """The strictest of the caller's profile and the policy's [process] profile (as between
+    nested runs: a flag cannot shed what the policy file imposes, nor the policy what the flag
+    asks), with the lines to say: deprecated names, and a profile asked for and overridden."""
+    notes: list[str] = []
+    flag = table_profile = None
+    if asked is not None:
+        flag = asked if isinstance(asked, Profile) else parse_profile(asked)
+        notes.append(profile_note(str(asked), "--profile"))
+    if table is not None:
+        table_profile = parse_profile(table)
+        notes.append(profile_note(table, "[process] profile"))
+    profile = strictest(flag, table_profile)
+    if flag is not None and profile is not flag:
+        notes.append(
+            f"profile {flag.value} asked; the policy's [process] profile {profile.value} is "
+            "stricter and wins"
+        )
+    return profile, [n for n in notes if n]
+
+
 def options_for(
     cmd: Sequence[str],
     *,
@@ -251,7 +284,6 @@ def options_for(
         argv=tuple(cmd),
         policy=policy,
         env_remove=tuple(env_remove),
-        allow_loopback=allow_loopback,
         allow_direct_network=allow_direct_network,
         pass_fds=tuple(pass_fds),
         cwd=cwd,
@@ -277,6 +309,7 @@ def options_for(
             read_only_workspace=read_only_workspace,
             toolchain_cache=toolchain_cache,
             workspace=workspace,
+            allow_loopback=allow_loopback,
         ),
     )
 
@@ -297,13 +330,15 @@ def with_settings(
     read_only_workspace: bool = False,
     toolchain_cache: str | None = None,
     workspace: str | None = None,
+    allow_loopback: bool = False,
 ) -> dict[str, Any]:
     """RunOptions fields from the policy's run tables and the caller's choices.
 
-    The caller's profile, environment policy and timeout win; its roots come
-    first (the first writable root holds the scratch space) and its grants
-    override the table's for the same name. A read-only workspace, asked by
-    either, is read-only.
+    The caller's environment policy and timeout win; the stricter of its profile and the
+    table's wins; its roots come first (the first writable root holds the scratch space) and
+    its grants override the table's for the same name. A read-only workspace, asked by
+    either, is read-only; so is loopback, granted by either (--allow-loopback, [process]
+    allow_tcp_loopback).
     """
     if settings is None:
         from egressbox.core.policy import RunSettings
@@ -318,8 +353,11 @@ def with_settings(
     mode = workspace or getattr(fs, "workspace_mode", None) or "staged"
     if mode not in WORKSPACE_MODES:
         raise ValueError(f"workspace must be 'staged' or 'direct', got {mode!r}")
+    chosen, notes = chosen_profile(profile, process.profile)
     return {
-        "profile": Profile(profile or process.profile or Profile.WORKSPACE_PATHS),
+        "profile": chosen,
+        "notes": tuple(notes),
+        "allow_loopback": allow_loopback or process.allow_tcp_loopback,
         "env_policy": EnvPolicy(env or table_env.policy or EnvPolicy.INHERITED),
         "write_roots": tuple(dict.fromkeys((*write_roots, *fs.write_roots))),
         "read_roots": tuple(dict.fromkeys((*read_roots, *fs.read_roots))),
