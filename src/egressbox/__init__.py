@@ -81,6 +81,7 @@ _EXPORTS = {
     "spawn_confined": "egressbox.runner.api",
     "ConfinedProcess": "egressbox.runner.api",
     "RunResult": "egressbox.runner.options",
+    "RunRefusedError": "egressbox.runner.options",
     "RefusalRecord": "egressbox.confine.refusal",
     "Resolver": "egressbox.net.resolve",
 }
@@ -99,6 +100,7 @@ __all__ = [
     "Reason",
     "RefusalRecord",
     "Resolver",
+    "RunRefusedError",
     "RunResult",
     "SelfEndpoints",
     "Verdict",
@@ -121,7 +123,7 @@ if TYPE_CHECKING:
     from egressbox.proxy.check import check
     from egressbox.proxy.server import EgressProxy
     from egressbox.runner.api import ConfinedProcess, run, run_sync, spawn_confined
-    from egressbox.runner.options import RunResult
+    from egressbox.runner.options import RunRefusedError, RunResult
 
 
 def __getattr__(name: str) -> Any:

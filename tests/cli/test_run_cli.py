@@ -171,12 +171,15 @@ def test_command_not_found_exits_127(box: Box, name: str) -> None:
     assert missing in _text(done.stderr)
 
 
-def test_command_that_cannot_be_executed_exits_126(box: Box) -> None:
+def test_command_that_cannot_be_executed_exits_123(box: Box) -> None:
+    """Found but not executable: 123 (EXIT_CANNOT_EXECUTE), never 126, which says that the
+    confinement the profile requires is unavailable."""
     script = box.workspace / "not-executable.sh"
     script.write_text("#!/bin/sh\necho ran\n", encoding="utf-8")
     box.actor.own(script, 0o644)
     done = box.egressbox("--", str(script))
-    assert done.returncode == 126, _explain(done)
+    assert done.returncode == 123, _explain(done)
+    assert b"Permission denied" in done.stderr and b"refused by" not in done.stderr
     assert b"ran" not in done.stdout
 
 
@@ -220,9 +223,21 @@ def test_os_hardened_refuses_when_a_mechanism_is_missing(
             "absent_on_host" if host_status == "available" else host_status
         )
         message = refusal.message()
-        # The mechanism, its availability here, the profile and what would admit it.
-        for part in (name, refusal.availability, "os_hardened", refusal.admit):
+        # The facts: the mechanism, its availability here (Harn's value), the profile; the
+        # remedy apart from them.
+        for part in (name, refusal.harn_availability, "os_hardened"):
             assert part and part in message, message
+        assert refusal.admit not in message and refusal.admit in refusal.remedy()
+        fields = refusal.fields()
+        assert fields["source"] == "sandbox_mechanism"
+        assert fields["sandbox_mechanism"]["availability"] in (
+            "absent_on_host",
+            "entry_point_cannot_attach",
+        )
+        if name.startswith("landlock"):
+            assert fields["sandbox_mechanism"]["mechanism"] == "linux_landlock"
+        assert fields["remedy"] == refusal.remedy()
+    assert caught.value.code == 126 and caught.value.cause == "confinement_unavailable"
     assert not marker.exists()
 
 
@@ -240,11 +255,12 @@ def test_os_hardened_refusal_on_the_command_line(
     assert code == 126, err
     assert not marker.exists()
     for name in ("landlock_fs", "landlock_net", "landlock_scope"):
-        line = (
-            f"egressbox: refused: profile os_hardened requires {name}, "
-            "which is absent_on_host here; to admit it: "
+        facts = (
+            f"egressbox: refused: profile os_hardened requires {name} (linux_landlock), "
+            "which is absent_on_host here (the profile requires it"
         )
-        assert line in err, err
+        assert facts in err, err
+        assert f"egressbox: to admit {name}: " in err, err  # the remedy, on a line of its own
 
 
 @needs_every_mechanism
@@ -546,10 +562,10 @@ def test_failure_after_a_denial_names_the_destination(box: Box, tripwire: socket
     assert b"refused by" not in done.stderr, _explain(done)
 
 
-def test_failure_without_a_denial_is_unknown(box: Box) -> None:
+def test_failure_without_a_denial_is_no_refusal(box: Box) -> None:
     done = box.egressbox("--", "/bin/sh", "-c", "exit 3")
     assert done.returncode == 3
-    assert b"egressbox: command exited 3; refused by unknown" in done.stderr, _explain(done)
+    assert b"refused by" not in done.stderr, _explain(done)
 
 
 # -- process roots -------------------------------------------------------------------------

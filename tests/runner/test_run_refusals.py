@@ -3,7 +3,7 @@
 Each refused action is first done where nothing confines it (outside egressbox, or under the
 `unrestricted` profile, which has no filesystem rules), to prove it would succeed there; then
 under the default profile, where the run must name the boundary and the path on its one
-refusal line. A command that fails for its own reasons inside a granted root gets `unknown`.
+refusal line. A command that fails for its own reasons inside a granted root gets no line.
 The child's stderr passes through the parent (a pipe, or a pty when the parent's stderr is a
 terminal): its bytes must arrive unchanged and in order, and a pty must look like a terminal.
 
@@ -87,7 +87,7 @@ class Box:
         return self.home / ".ssh" / "id_rsa"
 
     def run(
-        self, argv: list[str], *, env: dict[str, str] | None = None
+        self, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
     ) -> subprocess.CompletedProcess[bytes]:
         command, environment = self.actor.command(argv, env or self.actor.base_env(self.home))
         return subprocess.run(
@@ -95,19 +95,20 @@ class Box:
             stdin=subprocess.DEVNULL,
             capture_output=True,
             env=environment,
-            cwd=self.workspace,
+            cwd=cwd or self.workspace,
             timeout=RUN_TIMEOUT,
             check=False,
         )
 
-    def egressbox(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+    def egressbox(self, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
         """`egressbox run --quiet --policy DENY-ALL ARGS`, with the workspace as cwd (and so
         the write root); with a policy, run says nothing of its own on stderr."""
         policy = self.home / "deny-all.toml"
         if not policy.exists():
             policy.write_text("[egress]\nallow = []\n", encoding="utf-8")
             self.actor.own(policy, 0o644)
-        return self.run([*self.actor.egressbox, "run", "--quiet", "--policy", str(policy), *args])
+        argv = [*self.actor.egressbox, "run", "--quiet", "--policy", str(policy), *args]
+        return self.run(argv, cwd=cwd)
 
 
 @pytest.fixture
@@ -173,7 +174,7 @@ def test_reading_an_ungranted_file_under_home_is_home_read(box: Box) -> None:
     assert done.returncode == 1, _explain(done)
     line = _refusal_line(done)
     assert f"refused by home_read: {notes} (" in line, line
-    assert f"--read-root {box.home} admits it" in line
+    assert f"--read-root {notes} admits it" in line  # exactly the file, not the home
 
 
 # -- write --------------------------------------------------------------------------------
@@ -199,6 +200,14 @@ def test_writing_outside_the_roots_is_write(box: Box, writer: str) -> None:
     done = box.egressbox("--", *_writers(box, target)[writer])
     assert done.returncode == 1, _explain(done)
     assert not target.exists()
+    err = _text(done.stderr)
+    if writer == "python":
+        # Python says only "No such file or directory" (its directory is not in the view):
+        # not found, no boundary, with what admits the directory were it a creation.
+        assert "refused by" not in err, _explain(done)
+        assert f"not found: {target} (" in err, _explain(done)
+        assert f"if the command was creating it, --write-root {box.outside} admits it" in err
+        return
     line = _refusal_line(done)
     assert f"refused by write: {target} (" in line, line
     assert f"--write-root {box.outside} admits it" in line
@@ -265,17 +274,17 @@ def test_connecting_to_a_host_unix_socket_is_local_socket(
     assert f"refused by local_socket: {unix_listener.path} (" in line, line
 
 
-# -- unknown: the command's own failure -----------------------------------------------------
+# -- the command's own failure: no refusal line -----------------------------------------------
 
 
-def test_a_failure_inside_a_granted_root_is_unknown(box: Box) -> None:
+def test_a_failure_inside_a_granted_root_is_no_refusal(box: Box) -> None:
     missing = box.workspace / "nonexistent-in-workspace"
     free = box.run(["ls", str(missing)])
     assert free.returncode == 2, _explain(free)
     done = box.egressbox("--write-root", str(box.workspace), "--", "ls", str(missing))
     assert done.returncode == 2, _explain(done)
     assert str(missing) in _text(done.stderr)
-    assert _refusal_line(done) == "egressbox: command exited 2; refused by unknown"
+    assert "egressbox:" not in _text(done.stderr), _explain(done)
 
 
 # -- the library: classification from captured output --------------------------------------
@@ -353,8 +362,8 @@ def test_a_grandchild_holding_stderr_does_not_hold_the_run(box: Box) -> None:
         elapsed = time.monotonic() - started
         assert done.returncode == 3, _explain(done)
         assert elapsed < LINGER_BOUND_S, _explain(done)
-        assert _text(done.stderr).startswith("bye\n"), _explain(done)
-        assert _refusal_line(done) == "egressbox: command exited 3; refused by unknown"
+        err = _text(done.stderr)
+        assert err.endswith("bye\n") and "refused by" not in err, _explain(done)  # no evidence
     finally:
         with contextlib.suppress(OSError, ValueError):
             os.kill(int(pid_file.read_text(encoding="ascii")), signal.SIGKILL)
@@ -489,3 +498,183 @@ def test_a_new_window_size_reaches_the_childs_pty_before_sigwinch(tmp_path: Path
     finally:
         os.close(master)
         os.close(slave)
+
+
+# -- evidence only: read, write, exec, connect and exit, in one table -----------------------------
+
+# A name the policy does not admit; the proxy refuses it before any lookup (nothing leaves).
+DENIED_HOST = "denied.egressbox.test"
+# The proxy variables the run sets lead the request to the proxy, which answers 403.
+FETCH = "import urllib.request; urllib.request.urlopen('http://{host}/', timeout=20)"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A confined command, its exit code, and the one refusal line expected (None: no line
+    of egressbox's at all: the exit status says everything)."""
+
+    argv: list[str]
+    code: int
+    line: str | None = None  # a fragment of the refusal line, with {key}, {outside}, {tool}
+    hint: str | None = None  # a fragment of its hint
+
+
+def _cases(box: Box) -> dict[str, Case]:
+    tool = box.outside / "tool"
+    return {
+        # read: files the host lacks too are "not found", no boundary
+        "read-missing-cat": Case(["cat", "/nonexistent.txt"], 1),
+        "read-missing-python": Case([box.actor.python, "-c", "open('/nothere')"], 1),
+        # ... even when its directory exists on the host only: "not found", no boundary
+        "read-missing-ls": Case(
+            ["ls", "/srv/egressbox-nothere"], 2, "; not found: /srv/egressbox-nothere ("
+        ),
+        # read: a credential path, refused whatever the grants
+        "read-credential": Case(
+            ["cat", str(box.key)], 1, f"refused by home_read: {box.key} (", "deny list"
+        ),
+        # write: outside the write roots, a new file: its directory is what admits it
+        "write-outside": Case(
+            ["touch", str(box.outside / "new.txt")],
+            1,
+            f"refused by write: {box.outside / 'new.txt'} (",
+            f"--write-root {box.outside} admits it",
+        ),
+        # exec: a program the host has, outside every root (the shell cannot find it)
+        "exec-outside": Case(
+            ["/bin/sh", "-c", str(tool)],
+            127,
+            f"refused by read: {tool} (",
+            f"--read-root {tool} admits it",
+        ),
+        # connect: a destination the policy does not admit, denied by the proxy
+        "connect-denied": Case(
+            [box.actor.python, "-c", FETCH.format(host=DENIED_HOST)],
+            1,
+            f"refused by egress: {DENIED_HOST}:80 (",
+        ),
+        # exit: the command's own status, and nothing else
+        "exit-false": Case(["false"], 1),
+        "exit-3": Case(["/bin/sh", "-c", "exit 3"], 3),
+        "exit-sigint": Case(["/bin/sh", "-c", "kill -INT $$"], 130),
+        "exit-not-found": Case(["/bin/sh", "-c", "egressbox-no-such-command"], 127),
+    }
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "read-missing-cat",
+        "read-missing-python",
+        "read-missing-ls",
+        "read-credential",
+        "write-outside",
+        "exec-outside",
+        "connect-denied",
+        "exit-false",
+        "exit-3",
+        "exit-sigint",
+        "exit-not-found",
+    ],
+)
+def test_a_refusal_line_only_with_evidence(box: Box, name: str) -> None:
+    assert not Path("/srv/egressbox-nothere").exists()
+    if name == "read-missing-ls" and not Path("/srv").is_dir():
+        pytest.skip("/srv does not exist on this host")
+    tool = box.outside / "tool"
+    shutil.copy("/bin/true", tool)
+    box.actor.own(tool, 0o755)
+    case = _cases(box)[name]
+    done = box.egressbox("--read-root", str(box.home), "--", *case.argv)
+    assert done.returncode == case.code, _explain(done)
+    err = _text(done.stderr)
+    if case.line is None:
+        assert "egressbox:" not in err, _explain(done)
+        return
+    if "; not found: " in case.line:
+        assert "refused by" not in err, _explain(done)  # no boundary named
+        lines = [line for line in err.splitlines() if "; not found: " in line]
+        assert len(lines) == 1, _explain(done)
+        line = lines[0]
+    else:
+        line = _refusal_line(done)
+    assert case.line in line, line
+    if case.hint is not None:
+        assert case.hint in line, line
+    # No hint opens the root or the home directory (or one of its parents).
+    for flag in ("--read-root", "--write-root"):
+        for wide in ("/", str(box.home), str(box.home.parent)):
+            assert f"{flag} {wide} " not in line, line
+    if name == "write-outside":
+        assert not (box.outside / "new.txt").exists()  # judged on the host
+
+
+def test_a_namespace_refused_by_seccomp_is_said(box: Box) -> None:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("util-linux unshare is not installed")
+    done = box.egressbox("--", unshare, "-r", "true")
+    assert done.returncode != 0, _explain(done)
+    line = _refusal_line(done)
+    assert "refused by seccomp (" in line and "new namespaces" in line, line
+
+
+# -- no silent loss: the private file systems ------------------------------------------------
+
+
+def test_a_write_on_the_private_tmp_is_named_at_any_depth(box: Box) -> None:
+    """From a workspace below /tmp, a write beside it lands on the child's private /tmp: the
+    run names it and says it was not kept; the host never gets it."""
+    nested = box.workspace / "ws"
+    nested.mkdir()
+    box.actor.own(nested, 0o755)
+    beside = box.workspace / "outside.txt"
+    deep = box.workspace / "a" / "b"
+    script = f"touch {beside} && mkdir -p {deep} && touch {deep}/c"
+    done = box.egressbox("--", "/bin/sh", "-c", script, cwd=nested)
+    assert done.returncode == 0, _explain(done)
+    assert not beside.exists() and not (box.workspace / "a").exists()
+    notes = [line for line in _text(done.stderr).splitlines() if "egressbox: note:" in line]
+    assert len(notes) == 1, _explain(done)
+    assert str(beside) in notes[0] and str(box.workspace / "a") in notes[0], notes[0]
+    assert "not kept" in notes[0], notes[0]
+    # What it wrote in its workspace is the host's, and no note says otherwise.
+    kept = box.egressbox("--", "touch", "kept.txt", cwd=nested)
+    assert kept.returncode == 0 and (nested / "kept.txt").exists(), _explain(kept)
+    assert "egressbox: note:" not in _text(kept.stderr), _explain(kept)
+
+
+@pytest.mark.parametrize("private", ["/tmp", "/var/tmp", "/dev/shm"])
+def test_a_workspace_the_child_gets_privately_is_refused(box: Box, private: str) -> None:
+    if not Path(private).is_dir():
+        pytest.skip(f"{private} does not exist here")
+    policy = box.home / "deny-all.toml"
+    policy.write_text("[egress]\nallow = []\n", encoding="utf-8")
+    box.actor.own(policy, 0o644)
+    argv = [*box.actor.egressbox, "run", "--report", "--policy", str(policy), "--", "true"]
+    done = box.run(argv, cwd=Path(private))
+    assert done.returncode == 122, _explain(done)  # EXIT_CWD_UNAVAILABLE
+    err = _text(done.stderr)
+    assert f"{private} is a directory the command gets privately" in err, err
+    assert f"workspace: {private} (read+write" not in err, err
+
+
+LIBRARY_REFUSED = """
+import json, sys
+import egressbox
+
+try:
+    egressbox.run_sync(["true"], policy=None, cwd=sys.argv[1])
+except egressbox.RunRefusedError as exc:
+    print(json.dumps({"cause": exc.cause, "code": exc.code, "messages": exc.messages}))
+result = egressbox.run_sync(["true"], policy=None, cwd=sys.argv[2])
+print(json.dumps({"profile": result.profile, "refusal": result.refusal is None}))
+"""
+
+
+def test_the_library_gets_a_typed_refusal_and_the_profile(box: Box) -> None:
+    done = box.run([box.actor.python, "-c", LIBRARY_REFUSED, "/tmp", str(box.workspace)])
+    assert done.returncode == 0, _explain(done)
+    refused, ran = (json.loads(line) for line in _text(done.stdout).splitlines())
+    assert refused["cause"] == "private_directory" and refused["code"] == 122, refused
+    assert ran["profile"] and ran["refusal"], ran  # the profile confined under; no refusal

@@ -115,7 +115,7 @@ def test_filesystem_write_roots_apply_without_write_root(box: Box, tmp_path: Pat
     script = f"echo ok > {out}/made && echo made; echo no > ./cwd-file && echo cwd-written"
     # The current directory is no longer a root: it would not exist for the command.
     refused = box.run("--policy", policy, "--", "/bin/sh", "-c", script)
-    assert refused.returncode == 126, _explain(refused)
+    assert refused.returncode == 122, _explain(refused)  # EXIT_CWD_UNAVAILABLE
     assert f"--read-root {box.workspace}".encode() in refused.stderr, _explain(refused)
     readable = ("--read-root", str(box.workspace))
     done = box.run("--policy", policy, *readable, "--", "/bin/sh", "-c", script)

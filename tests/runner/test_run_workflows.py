@@ -96,12 +96,12 @@ def test_a_cwd_outside_every_root_is_refused_with_the_flag_that_admits_it(dev: D
     out = dev.actor.make_dir(dev.base, "out-")
     dev.own_tree(root)
     done = dev.egressbox(root / "docs", "--write-root", str(out), "--", "true")
-    assert done.returncode == 126, _explain(done)
+    assert done.returncode == 122, _explain(done)  # EXIT_CWD_UNAVAILABLE
     assert f"the working directory {root}/docs is outside every root" in done.stderr
     assert f"--write-root {root} (its project root: it holds .git)" in done.stderr
     plain = dev.actor.make_dir(dev.base, "plain-")
     done = dev.egressbox(plain, "--write-root", str(out), "--", "true")
-    assert done.returncode == 126, _explain(done)
+    assert done.returncode == 122, _explain(done)
     assert f"add --write-root {plain} (or --read-root {plain})" in done.stderr, _explain(done)
     assert not (plain / ".egressbox").exists() and not (root / ".egressbox").exists()
 
@@ -111,7 +111,7 @@ def test_a_project_root_that_is_home_is_refused(dev: Dev) -> None:
     dev.git(dev.home, "init", "-q")  # a dotfiles repository
     sub = dev.actor.make_dir(dev.home, "proj-")
     done = dev.egressbox(sub, "--", "true")
-    assert done.returncode == 126, _explain(done)
+    assert done.returncode == 122, _explain(done)
     assert f"the workspace would be {dev.home} (the project root: it holds .git)" in done.stderr
     assert f"--write-root {sub} for the current directory only" in done.stderr, _explain(done)
     done = dev.egressbox(sub, "--write-root", str(sub), "--", "true")

@@ -261,7 +261,7 @@ def test_a_trusted_file_the_command_creates_is_held_or_moved_aside(world: World)
 def test_the_home_directory_as_workspace_needs_saying(world: World) -> None:
     command = [*world.actor.egressbox, "run", "--quiet", "--", "true"]
     done = world.run(command)  # cwd is the workspace, which is also HOME
-    assert done.returncode == 126, _explain(done)
+    assert done.returncode == 122, _explain(done)  # EXIT_CWD_UNAVAILABLE
     assert "your whole home directory" in done.stderr
     assert f"--write-root {world.workspace}" in done.stderr
 
@@ -277,7 +277,7 @@ def test_a_working_directory_outside_every_root_is_refused(world: World) -> None
     refused = subprocess.run(
         command, env=env, cwd=inner, capture_output=True, text=True, timeout=60, check=False
     )
-    assert refused.returncode == 126, _explain(refused)
+    assert refused.returncode == 122, _explain(refused)  # EXIT_CWD_UNAVAILABLE
     assert f"--read-root {inner}" in refused.stderr, _explain(refused)
 
 

@@ -68,6 +68,8 @@ def run_command(args: Any, argv: list[str]) -> int:
 
 
 def _print_report(args: Any, result: RunResult) -> None:
+    if result.profile:
+        write_err(f"profile: {result.profile} (the one the command was confined under)")
     for row in result.report:
         write_err(f"enforcement: {row.mechanism}: {row.enforcement.value} ({row.detail})")
     for root in result.roots:
@@ -333,7 +335,7 @@ def _run_reporting_errors(
     except RunRefusedError as exc:
         for message in exc.messages:
             write_err(message)
-        return EXIT_CANNOT_CONFINE
+        return exc.code
     except CommandNotFoundError as exc:
         write_err(str(exc))
         return EXIT_NOT_FOUND

@@ -23,6 +23,7 @@ command was not found.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ from egressbox.confine import netns
 from egressbox.confine.cgroup import CgroupPlan
 from egressbox.confine.plan import CAPTURE_FILES, Mechanism, WorldSpec
 from egressbox.confine.staging import StagingSpec
-from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
+from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND
 
 # Signals the launcher and the reaper pass on to the command.
 FORWARDED = (
@@ -469,27 +470,66 @@ def _reaper(
     return code
 
 
+# The child's private file systems (confine/world.py PRIVATE_TMPFS and the private /dev/shm):
+# what is written there ends with the run.
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
+# Entries walked per private file system, before and after the command: a build that fills
+# /tmp with more is named by what was seen, with "and more" (a walk of 10,000 tmpfs entries
+# costs about 20 ms).
+PRIVATE_WALK_MAX = 10_000
+# Paths named in the note after the run; the count says the rest.
+PRIVATE_NOTE_PATHS = 3
+
+
 def _private_tmp() -> dict[str, set[str]]:
-    """What the private /tmp and /var/tmp hold: mount points of grants below them."""
+    """What the private file systems hold, at any depth, without descending into what is
+    mounted on them (the grants bound below /tmp are the host's, and are kept)."""
     found: dict[str, set[str]] = {}
-    for path in ("/tmp", "/var/tmp"):
+    for top in PRIVATE_DIRS:
         with contextlib.suppress(OSError):
-            found[path] = set(os.listdir(path))
+            found[top] = _walk_private(top, os.lstat(top).st_dev)
     return found
 
 
+def _walk_private(top: str, device: int) -> set[str]:
+    seen: set[str] = set()
+    pending = [top]
+    while pending and len(seen) < PRIVATE_WALK_MAX:
+        directory = pending.pop()
+        with contextlib.suppress(OSError), os.scandir(directory) as entries:
+            for entry in entries:
+                if len(seen) >= PRIVATE_WALK_MAX:
+                    break
+                st = entry.stat(follow_symlinks=False)
+                if st.st_dev != device:
+                    continue  # a mount point: a grant bound from the host, or a kernel view
+                seen.add(entry.path)
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+    return seen
+
+
 def _note_private_tmp(skeleton: dict[str, set[str]]) -> None:
-    """Say so when the command left files in its private /tmp: they end with the run, and
-    a user who wrote there expected to find them."""
-    left = [path for path, names in _private_tmp().items() if names - skeleton.get(path, set())]
-    if left:
-        with contextlib.suppress(OSError):
-            os.write(
-                2,
-                f"egressbox: note: the command left files in its private {' and '.join(left)}, "
-                "which end with the run; $TMPDIR (the workspace's .egressbox/tmp) keeps them, "
-                "or grant a directory with --write-root\n".encode(),
-            )
+    """Name what the command wrote on its private file systems, whatever the depth: it ends
+    with the run and never reaches the host, and a user who wrote there expected to find it."""
+    made: list[str] = []
+    for top, names in _private_tmp().items():
+        new = names - skeleton.get(top, set())
+        # The topmost new entries: a new directory stands for what is inside it.
+        made += sorted(p for p in new if os.path.dirname(p) not in new)
+    if not made:
+        return
+    shown = ", ".join(made[:PRIVATE_NOTE_PATHS])
+    if len(made) > PRIVATE_NOTE_PATHS:
+        shown += f" and {len(made) - PRIVATE_NOTE_PATHS} more"
+    with contextlib.suppress(OSError):
+        os.write(
+            2,
+            f"egressbox: note: the command wrote {shown} on its private "
+            f"{', '.join(PRIVATE_DIRS)}, outside the roots: not kept (they end with the run "
+            "and never reach the host); $TMPDIR (the workspace's .egressbox/tmp) keeps files, "
+            "or grant the directory with --write-root\n".encode(),
+        )
 
 
 def _close_report(plan: LaunchPlan) -> None:
@@ -584,7 +624,9 @@ def _command(
     try:
         os.execve(plan.executable, list(plan.argv), env)
     except OSError as exc:
-        code = EXIT_NOT_FOUND if exc.errno == 2 else EXIT_CANNOT_CONFINE
+        # Not found (127, as shells); found but not executable (exec format error, no
+        # execute permission): a code of its own, never 126, which says confinement failed.
+        code = EXIT_NOT_FOUND if exc.errno == errno.ENOENT else EXIT_CANNOT_EXECUTE
         _fail(f"{plan.argv[0]}: {exc.strerror}", code)
 
 

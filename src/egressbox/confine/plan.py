@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Profile(StrEnum):
@@ -172,24 +172,69 @@ class Refusal(NamedTuple):
     """
 
     mechanism: Mechanism
-    availability: str  # absent_on_host | cannot_attach
+    availability: str  # as the probe says: absent_on_host | cannot_attach
     profile: Profile
-    admit: str
+    admit: str  # the remedy, kept apart from the facts (Harn's message states facts only)
     requirement: str = REQUIREMENT_PROFILE
     selector_honored: bool = False
 
+    @property
+    def source(self) -> str:
+        return MECHANISM_SOURCE
+
+    @property
+    def harn_mechanism(self) -> str:
+        """Harn's `mechanism` value: linux_landlock for every Landlock part."""
+        return HARN_MECHANISM.get(self.mechanism, f"linux_{self.mechanism.value}")
+
+    @property
+    def harn_availability(self) -> str:
+        """Harn's `availability` value: absent_on_host or entry_point_cannot_attach."""
+        return HARN_AVAILABILITY.get(self.availability, self.availability)
+
+    def fields(self) -> dict[str, Any]:
+        """The refusal as Harn's tool_rejected dict: `source`, the `sandbox_mechanism` facts
+        under Harn's names, and the remedy in a field of its own."""
+        return {
+            "source": self.source,
+            "sandbox_mechanism": {
+                "mechanism": self.harn_mechanism,
+                "egressbox_mechanism": self.mechanism.value,
+                "availability": self.harn_availability,
+                "profile": self.profile.value,
+                "requirement": self.requirement,
+                "selector_honored": self.selector_honored,
+            },
+            "remedy": self.remedy(),
+        }
+
     def message(self) -> str:
+        """The facts, and nothing else."""
         if self.requirement == REQUIREMENT_FALLBACK:
-            why = (
-                "EGRESSBOX_SANDBOX=enforce makes a missing mechanism a refusal "
-                "(=warn runs without it)"
-            )
+            why = "EGRESSBOX_SANDBOX=enforce made the missing mechanism a refusal"
         else:
             why = "the profile requires it; EGRESSBOX_SANDBOX cannot lift that"
         return (
-            f"refused: profile {self.profile.value} requires {self.mechanism.value}, "
-            f"which is {self.availability} here; to admit it: {self.admit} ({why})"
+            f"refused: profile {self.profile.value} requires {self.mechanism.value} "
+            f"({self.harn_mechanism}), which is {self.harn_availability} here ({why})"
         )
+
+    def remedy(self) -> str:
+        """What would admit it, apart from the facts."""
+        other = " (or EGRESSBOX_SANDBOX=warn runs without it)" if self.selector_honored else ""
+        return f"to admit {self.mechanism.value}: {self.admit}{other}"
+
+
+# Harn's `source` of a mechanism refusal, and its names for our mechanisms and availabilities
+# (its page, "Reading a mechanism refusal"): Landlock is linux_landlock; a mechanism Harn has no
+# name for keeps ours behind linux_.
+MECHANISM_SOURCE = "sandbox_mechanism"
+HARN_MECHANISM: dict[Mechanism, str] = {
+    Mechanism.LANDLOCK_FS: "linux_landlock",
+    Mechanism.LANDLOCK_NET: "linux_landlock",
+    Mechanism.LANDLOCK_SCOPE: "linux_landlock",
+}
+HARN_AVAILABILITY = {"cannot_attach": "entry_point_cannot_attach"}
 
 
 def choose_mechanisms(

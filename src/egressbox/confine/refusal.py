@@ -249,7 +249,11 @@ class RefusalRecord:
     def line(self, code: int) -> str:
         if self.boundary == Boundary.TIMEOUT:
             return f"command exited {code}; the timeout of {self.timeout:g} s expired"
-        if self.boundary == Boundary.UNKNOWN and not self.paths:
+        if self.boundary == Boundary.UNKNOWN and self.paths:
+            # Missing on the host too: not found, no boundary named.
+            shown = ", ".join(self.paths[:LINE_PATHS])
+            return f"command exited {code}; not found: {shown} ({self.hint})"
+        if self.boundary == Boundary.UNKNOWN:
             # No boundary shown: say so, never "refused by" without evidence.
             tail = f" ({self.hint})" if self.hint else ""
             return (
@@ -281,11 +285,14 @@ def error_lines(text: str) -> list[ErrorLine]:
     found = []
     for line in clean_lines(text):
         match = _patterns().errno.search(line)
-        missing = match is None and _patterns().shell_missing.search(line) is not None
-        if match is None and not missing:
+        shell = _patterns().shell_missing.search(line) if match is None else None
+        if match is None and shell is None:
             continue
         paths = extract_paths(line)
         relative = relative_paths(line)
+        if shell is not None:  # only the program named last (`/bin/sh: 1: /opt/x: not found`)
+            tail = line[: shell.start()].rsplit(": ", 1)[-1].strip()
+            paths, relative = tuple(p for p in paths if p == tail), ()
         if not paths and not relative:
             continue
         word = match.group(0) if match is not None else "no such file or directory"
@@ -409,9 +416,19 @@ def _judge_missing(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) 
             return _finding(error, path, Boundary.WRITE, _write_hint(path, host, plan))
         return _read_refusal(error, path, host, plan)
     parent = posixpath.dirname(path)
-    if error.writes and host.parent_exists and not plan.visible(parent):
+    if not host.parent_exists or parent == "/" or plan.visible(parent):
+        return None  # not found, in the child as on the host
+    if error.writes:
         return _finding(error, path, Boundary.WRITE, _write_hint(path, host, plan))
-    return None
+    # Not found on the host either, so no boundary refused a read; but its directory exists
+    # only on the host, which refuses a creation there. Said as "not found", with what admits
+    # the directory in case the command was creating the file (Python's open(p, "w") says
+    # only "No such file or directory").
+    hint = (
+        f"{path} does not exist on the host either; its directory {parent} is outside the "
+        f"roots; if the command was creating it, {_admits('--write-root', parent, plan)}"
+    )
+    return _finding(error, path, Boundary.UNKNOWN, hint)
 
 
 def _judge_refused(error: ErrorLine, path: str, host: HostPath, plan: PathPlan) -> Finding | None:

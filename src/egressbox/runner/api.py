@@ -16,7 +16,13 @@ from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
 from egressbox.runner.assemble import Prepared, prepare
 from egressbox.runner.facts import host_facts
 from egressbox.runner.gate import abandon
-from egressbox.runner.options import RunOptions, RunResult, options_for, write_err
+from egressbox.runner.options import (
+    RunOptions,
+    RunRefusedError,
+    RunResult,
+    options_for,
+    write_err,
+)
 from egressbox.runner.spawn import Launched, confirm, spawn
 from egressbox.runner.supervise import (
     _exit_before_first_connection,
@@ -241,4 +247,6 @@ async def spawn_confined(
 def exit_code_for(error: BaseException) -> int:
     if isinstance(error, CommandNotFoundError):
         return EXIT_NOT_FOUND
+    if isinstance(error, RunRefusedError):
+        return error.code
     return EXIT_CANNOT_CONFINE

@@ -95,6 +95,7 @@ from egressbox.runner.workspace import (
     expand,
     lay_out,
     refuse_cwd_outside,
+    refuse_private_roots,
 )
 
 
@@ -947,6 +948,7 @@ def _check_cwd(
         if not any(is_under(cwd, r) for r in roots):
             deny = (*(expand_user(p, home) for p in CREDENTIALS), *expand(options.deny, home))
             hidden = (*deny, *CONSTRUCTED_PATHS)
+        refuse_private_roots(roots, cwd)
     refuse_cwd_outside(cwd, granted, hidden, layout.project)
 
 
@@ -1052,6 +1054,7 @@ def _refuse_open_network(chosen: frozenset[Mechanism], options: RunOptions) -> N
         "requires a network boundary; EGRESSBOX_SANDBOX cannot lift that); "
         "run as root or allow user namespaces, or pass --allow-direct-network to run it "
         "with its network unconfined",
+        cause="network_boundary_unavailable",
     )
 
 
@@ -1156,6 +1159,7 @@ def _refuse_own_state(
                 f"directory {state} (its host probe, seccomp program and trusted policies), "
                 "which the command could rewrite to weaken the next run; grant a narrower "
                 f"root, or set {STATE_ENV} to a directory outside every writable root",
+                cause="unsafe_grant",
             )
     for path in own:
         for link in _links_on_the_way(path):
@@ -1167,6 +1171,7 @@ def _refuse_own_state(
                     f"the writable root {holder}; the command could point it elsewhere and "
                     "move the file egressbox writes or trusts there; name the real path "
                     f"{os.path.realpath(path)} instead",
+                    cause="unsafe_grant",
                 )
 
 

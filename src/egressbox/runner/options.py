@@ -66,11 +66,27 @@ DEFAULT_MAX_PROCESSES = 4096
 
 
 class RunRefusedError(EgressboxError):
-    """Confinement the profile requires is unavailable (exit 126)."""
+    """`run` refused to start the command: `cause` says why (core/exitcodes.py CAUSE_CODES),
+    `code` is its exit code (126 when confinement the profile requires is unavailable).
 
-    def __init__(self, refusals: Sequence[Refusal], *, message: str = "") -> None:
+    `refusals` are the mechanism refusals with Harn's fields (confine/plan.py Refusal);
+    `messages` the lines to say: each refusal's facts, then its remedy.
+    """
+
+    def __init__(
+        self,
+        refusals: Sequence[Refusal],
+        *,
+        message: str = "",
+        cause: str = "confinement_unavailable",
+    ) -> None:
+        from egressbox.core.exitcodes import CAUSE_CODES
+
         self.refusals = list(refusals)
-        self.messages = [r.message() for r in self.refusals] + ([message] if message else [])
+        self.cause = cause
+        self.code = CAUSE_CODES[cause]
+        self.messages = [line for r in self.refusals for line in (r.message(), r.remedy())]
+        self.messages += [message] if message else []
         super().__init__("; ".join(self.messages))
 
 
@@ -210,6 +226,9 @@ class RunResult:
     held: list[Change] = field(default_factory=list)
     apply_failed: list[tuple[str, str]] = field(default_factory=list)
     apply_skipped: list[Change] = field(default_factory=list)
+    # The profile the run was confined under: the strictest of the one asked for, the
+    # policy's and an outer run's (EGRESSBOX_PROFILE).
+    profile: str = ""
 
 
 def effective_profile(requested: Profile, env: Mapping[str, str]) -> Profile:

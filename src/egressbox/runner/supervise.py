@@ -542,11 +542,13 @@ def _result(
         from egressbox.confine.refusal import Boundary, RefusalRecord
 
         result = RunResult(EXIT_TIMEOUT, records, prepared.report, roots=prepared.roots)
+        result.profile = prepared.profile.value
         result.terminal_dropped = launched.tee.dropped() if launched.tee is not None else {}
         result.refusal = RefusalRecord(Boundary.TIMEOUT, timeout=launched.timeout)
         finish(prepared, result)
         return result
     result = RunResult(code, records, prepared.report, roots=prepared.roots)
+    result.profile = prepared.profile.value
     result.terminal_dropped = launched.tee.dropped() if launched.tee is not None else {}
     # The way back, before anything judges the host's files: the layer through the gate.
     finish(prepared, result)

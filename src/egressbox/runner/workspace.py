@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from egressbox.confine.plan import expand_user, is_under
 from egressbox.confine.toolchains import MISSING
-from egressbox.core.errors import EgressboxError
+from egressbox.runner.options import RunRefusedError
 from egressbox.runner.project import GitGrants, ProjectRoot, find_project_root, git_grants
 
 # With a read-only workspace the scratch space (TMPDIR, caches) lives in the child's private
@@ -105,10 +105,12 @@ def refuse_wide_workspace(project: ProjectRoot, home: str, cwd: str) -> None:
     what = "the whole file system" if path == "/" else "your whole home directory"
     found = f" (the project root: it holds {project.marker})" if project.marker else ""
     narrower = f", --write-root {cwd} for the current directory only" if cwd != path else ""
-    raise EgressboxError(
-        f"the workspace would be {path}{found}, {what}: every file there would be writable by "
-        f"the command; run it from a project directory, or pass --write-root {path} to mean "
-        f"it{narrower}"
+    raise RunRefusedError(
+        [],
+        message=f"the workspace would be {path}{found}, {what}: every file there would be "
+        f"writable by the command; run it from a project directory, or pass --write-root "
+        f"{path} to mean it{narrower}",
+        cause="workspace_too_wide",
     )
 
 
@@ -123,10 +125,36 @@ def refuse_cwd_outside(
         found = find_project_root(cwd)
         if found.marker:
             admit = f"--write-root {found.path} (its project root: it holds {found.marker})"
-    raise EgressboxError(
-        f"the working directory {cwd} is outside every root, so it would not exist for the "
-        f"command; run from inside a root, or add {admit}"
+    raise RunRefusedError(
+        [],
+        message=f"refused: the working directory {cwd} is outside every root, so it would not "
+        f"exist for the command; run from inside a root, or add {admit}",
+        cause="cwd_unavailable",
     )
+
+
+def refuse_private_roots(roots: Sequence[str], cwd: str) -> None:
+    """A root (or the working directory) that is a directory the command gets privately would
+    be shadowed: the command would see an empty file system made for the run there, and what
+    it wrote would never reach the host. Refused with the reason, never run as if granted.
+
+    The world (confine/world.py) binds grants below /tmp, /var/tmp and /run from the host; it
+    makes those three themselves, and everything under /dev, /proc and /sys, afresh.
+    """
+    from egressbox.confine.world import CONSTRUCTED, PRIVATE_TMPFS
+
+    for path in (*roots, cwd):
+        real = os.path.realpath(path)
+        if real in PRIVATE_TMPFS or _under_any(real, CONSTRUCTED):
+            what = "the working directory" if path == cwd and path not in roots else "the root"
+            raise RunRefusedError(
+                [],
+                message=f"refused: {what} {path} is a directory the command gets privately (an "
+                "empty file system made for the run): it would not see the host's files there, "
+                "and nothing it wrote there would reach the host; run from a directory below it "
+                "(such as /tmp/work) or grant another one with --write-root",
+                cause="private_directory",
+            )
 
 
 def _under_any(path: str, roots: Sequence[str]) -> bool:
