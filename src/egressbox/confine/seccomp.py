@@ -1,17 +1,20 @@
 """The seccomp filter for confined children (DESIGN section 7, "seccomp").
 
-The network namespace leaves the child only the proxy's listener and Landlock holds it to TCP on
-the proxy's ports; this filter closes what neither of them sees: socket families and protocols
-that never pass Landlock's TCP hooks (UDP, raw, packet, netlink, vsock, MPTCP, SCTP), TCP Fast
-Open sends (landlock-lsm/linux#41), io_uring (its operations never pass through seccomp), ways
-back out of the namespaces (setns, unshare and clone with CLONE_NEW*), reaching into other
-processes (ptrace, process_vm_*), typing into the user's terminal (TIOCSTI), and the kernel's
-widest attack surface (bpf, perf, userfaultfd, keyrings, mounts, modules, kexec).
+An allow list: the system calls in confine/syscall_table.py (measured from real tools, each
+with its reason) run; every other call this kernel table knows gets EPERM; a call newer than
+the table, or a number no kernel has, gets ENOSYS, the answer of a kernel without it, so that
+callers fall back (as they do from io_uring and clone3, which the table sends there on purpose).
 
-The default action is ALLOW and every rule returns an errno, so a program gets an ordinary error
-it already handles (many fall back) instead of dying. Only a syscall made through a non-native
-ABI (i386 ``int 0x80``, x32) kills the process: the rules describe native syscall numbers only,
-so such a call would otherwise skip every one of them.
+Within the list, argument rules close what the network namespace and Landlock do not see:
+socket families and protocols that never pass Landlock's TCP hooks (UDP, raw, packet, netlink,
+vsock, MPTCP, SCTP), TCP Fast Open sends (landlock-lsm/linux#41), new namespaces (unshare and
+clone with CLONE_NEW*), typing into the user's terminal (TIOCSTI), and personality flags. Each
+such call has refusal rules (an errno a program already handles) and allow rules for exactly
+the other argument values: libseccomp lets an unconditional rule override conditional ones, so
+"refuse these values, allow the rest" has to be spelt out as both halves.
+
+Only a syscall made through a non-native ABI (i386 ``int 0x80``, x32) kills the process: the
+rules describe native syscall numbers only.
 
 Integer arguments reach seccomp as the full 64-bit register, while the kernel truncates most of
 them to ``int`` (FIELD-NOTES): an equality on the value alone is evaded by
@@ -40,6 +43,13 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Any, Protocol, cast
 
+from egressbox.confine.syscall_table import (
+    ALLOWED,
+    ARGUMENT_CHECKED,
+    FALLBACK,
+    NEWER_NUMBERS,
+    summary,
+)
 from egressbox.core.errors import EgressboxError
 
 # libseccomp's public ABI (seccomp.h): actions and filter attributes. Defined here so that
@@ -108,7 +118,9 @@ _UNIFIED_TABLE_ARCHES = frozenset(
         0x80000016,  # s390x
     }
 )
-_UNIFIED_NUMBERS = {"open_tree_attr": 467}  # Linux 6.15; libseccomp 2.5 predates it
+# Every number a native syscall of the supported architectures can have (x32's start at 512
+# and belong to another ABI, which the bad-arch action handles): scanned for names to refuse.
+_SCAN_LIMIT = 1024
 
 
 class SeccompUnavailableError(EgressboxError):
@@ -207,6 +219,10 @@ class SeccompReport:
     # What a syscall through a non-native ABI gets: KILL_PROCESS, KILL_THREAD or ERRNO(ENOSYS).
     bad_arch_action: str = ""
     notes: tuple[str, ...] = ()
+    # The allow list in force on this architecture (argument-checked calls included).
+    allowed: tuple[str, ...] = ()
+    # Calls this architecture's table knows that are refused with EPERM; anything else: ENOSYS.
+    refused: tuple[str, ...] = ()
 
     @property
     def enforced(self) -> bool:
@@ -230,6 +246,8 @@ class SeccompReport:
             "failed": list(self.failed),
             "bad_arch_action": self.bad_arch_action,
             "notes": list(self.notes),
+            "allowed": list(self.allowed),
+            "refused": list(self.refused),
         }
 
 
@@ -237,18 +255,17 @@ class SeccompReport:
 
 
 def plan(options: SeccompOptions | None = None) -> tuple[RuleGroup, ...]:
-    """Every rule the filter holds for ``options``, grouped; architecture-neutral names."""
+    """The argument rules (refusals) for ``options``, grouped; architecture-neutral names.
+
+    Every syscall they name is in syscall_table.ARGUMENT_CHECKED; allowances() holds the other
+    half of each (the argument values that run).
+    """
     options = options or SeccompOptions()
     return (
         _socket_families(options),
         _inet_socket_types(options),
         _inet_protocols(options),
         _fast_open(),
-        _io_uring(),
-        _other_processes(),
-        _kernel_surface(),
-        _mounts(),
-        _system(),
         _namespaces(),
         _terminal(),
         _personality(),
@@ -363,98 +380,6 @@ def _fast_open() -> RuleGroup:
     )
 
 
-def _io_uring() -> RuleGroup:
-    return RuleGroup(
-        "io_uring",
-        "io_uring performs socket and file operations in the kernel without a syscall each, "
-        "out of seccomp's sight; ENOSYS makes libraries fall back to ordinary syscalls",
-        _always(errno.ENOSYS, "io_uring_setup", "io_uring_enter", "io_uring_register"),
-    )
-
-
-def _other_processes() -> RuleGroup:
-    return RuleGroup(
-        "other processes",
-        "no reading, writing or stealing from other processes of the same user (the launcher, "
-        "the proxy when it runs as that user): ptrace, process_vm_*, pidfd_getfd, kcmp",
-        _always(
-            errno.EPERM,
-            "ptrace",
-            "process_vm_readv",
-            "process_vm_writev",
-            "pidfd_getfd",  # copies a descriptor out of another process
-            "kcmp",  # probes another process's descriptors and memory layout
-        ),
-    )
-
-
-def _kernel_surface() -> RuleGroup:
-    return RuleGroup(
-        "kernel attack surface",
-        "interfaces behind most local privilege escalations, which no client tool needs",
-        _always(
-            errno.EPERM,
-            "bpf",  # the verifier; also socket filters that could rewrite traffic
-            "perf_event_open",  # side channels and a long record of kernel bugs
-            "userfaultfd",  # stalls kernel copies at will: the classic race-widening tool
-            "keyctl",  # keyrings are shared per user: another session's tokens live there
-            "add_key",
-            "request_key",
-            "lookup_dcookie",  # leaks kernel path names (removed in Linux 6.9)
-            "iopl",  # raw I/O ports
-            "ioperm",
-        ),
-    )
-
-
-def _mounts() -> RuleGroup:
-    return RuleGroup(
-        "mounts and namespace entry",
-        "the mount namespace hides the host's sockets and /tmp: no changing it, no joining "
-        "another namespace (setns into /proc/1/ns/net is the host's network), no opening files "
-        "by handle around the mount view",
-        _always(
-            errno.EPERM,
-            "mount",
-            "umount",  # only on some architectures (e.g. i386); umount2 elsewhere
-            "umount2",
-            "pivot_root",
-            "move_mount",
-            "open_tree",
-            "open_tree_attr",
-            "fsopen",
-            "fsconfig",
-            "fsmount",
-            "fspick",
-            "mount_setattr",
-            "setns",
-            "open_by_handle_at",  # the classic container escape (CAP_DAC_READ_SEARCH)
-        ),
-    )
-
-
-def _system() -> RuleGroup:
-    return RuleGroup(
-        "system administration",
-        "modules, kexec, swap, reboot, accounting and quotas: a child without capabilities is "
-        "refused these anyway; the filter still refuses if a capability leaks through",
-        _always(
-            errno.EPERM,
-            "init_module",
-            "finit_module",
-            "delete_module",
-            "kexec_load",
-            "kexec_file_load",
-            "swapon",
-            "swapoff",
-            "reboot",
-            "acct",
-            "quotactl",
-            "quotactl_fd",
-        ),
-    )
-
-
 def _namespaces() -> RuleGroup:
     clone_flags = _clone_flags_index()
     rules = [
@@ -466,9 +391,8 @@ def _namespaces() -> RuleGroup:
         Rule("unshare", errno.EPERM, (ArgCmp(0, CmpOp.MASKED_EQ, flag, flag),))
         for flag in UNSHARE_NEW_FLAGS
     ]
-    # clone3 keeps its flags in memory, where seccomp cannot look. glibc, Rust and the rest fall
-    # back to clone() on ENOSYS, which the rules above do check.
-    rules.append(Rule("clone3", errno.ENOSYS))
+    # clone3 keeps its flags in memory, where seccomp cannot look: it is not in the allow list,
+    # so it gets ENOSYS and glibc, Rust and the rest fall back to clone(), checked here.
     return RuleGroup(
         "new namespaces",
         "a new user namespace gives the child every capability inside it (and the kernel code "
@@ -478,10 +402,7 @@ def _namespaces() -> RuleGroup:
 
 
 def _terminal() -> RuleGroup:
-    # The command is an unsigned int: masked, so high bits cannot hide it. Values from termios,
-    # which match the running kernel's architecture (they differ on mips, ppc, sparc).
-    tiocsti = int(termios.TIOCSTI)
-    tioclinux = int(getattr(termios, "TIOCLINUX", 0x541C))
+    # The command is an unsigned int: masked, so high bits cannot hide it.
     return RuleGroup(
         "terminal injection",
         "TIOCSTI types into an inherited terminal (dev.tty.legacy_tiocsti=1 measured here): "
@@ -489,9 +410,15 @@ def _terminal() -> RuleGroup:
         "the console selection the same way",
         tuple(
             Rule("ioctl", errno.EPERM, (ArgCmp(1, CmpOp.MASKED_EQ, _U32, command),))
-            for command in (tiocsti, tioclinux)
+            for command in _terminal_commands()
         ),
     )
+
+
+def _terminal_commands() -> tuple[int, int]:
+    # Values from termios, which match the running kernel's architecture (they differ on mips,
+    # ppc, sparc).
+    return int(termios.TIOCSTI), int(getattr(termios, "TIOCLINUX", 0x541C))
 
 
 def _personality() -> RuleGroup:
@@ -503,8 +430,80 @@ def _personality() -> RuleGroup:
     )
 
 
-def _always(err: int, *syscalls: str) -> tuple[Rule, ...]:
-    return tuple(Rule(name, err) for name in syscalls)
+# The other half of each argument rule: the values that run
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """Allow ``syscall`` when every comparison holds (one of several per checked call)."""
+
+    syscall: str
+    args: tuple[ArgCmp, ...]
+
+
+def allowances(options: SeccompOptions | None = None) -> tuple[Allowance, ...]:
+    """For each call plan() checks, the argument values that run: exactly the complement of its
+    refusals (tests/confine/test_seccomp.py checks both halves against one model)."""
+    options = options or SeccompOptions()
+    return (
+        *_socket_allowances(options),
+        *(
+            Allowance(name, (ArgCmp(index, CmpOp.MASKED_EQ, MSG_FASTOPEN, 0),))
+            for name, index in (("sendto", 3), ("sendmsg", 2), ("sendmmsg", 3))
+        ),
+        *_setsockopt_allowances(),
+        *(Allowance("ioctl", (cmp,)) for cmp in _outside(1, _terminal_commands(), bits=32)),
+        Allowance(
+            "clone", (ArgCmp(_clone_flags_index(), CmpOp.MASKED_EQ, _mask(CLONE_NEW_FLAGS), 0),)
+        ),
+        Allowance("unshare", (ArgCmp(0, CmpOp.MASKED_EQ, _mask(UNSHARE_NEW_FLAGS), 0),)),
+        Allowance("personality", (ArgCmp(0, CmpOp.MASKED_EQ, _U32, PER_LINUX),)),
+        Allowance("personality", (ArgCmp(0, CmpOp.MASKED_EQ, _U32, PERSONALITY_QUERY),)),
+    )
+
+
+def _socket_allowances(options: SeccompOptions) -> tuple[Allowance, ...]:
+    allowed: list[Allowance] = []
+    if options.allow_unix_sockets:
+        unix = (ArgCmp(0, CmpOp.EQ, int(socket.AF_UNIX)),)
+        allowed += [Allowance("socket", unix), Allowance("socketpair", unix)]
+    kinds = [(int(socket.SOCK_STREAM), (0, IPPROTO_TCP))]
+    if options.allow_udp:
+        kinds.append((int(socket.SOCK_DGRAM), (0, IPPROTO_UDP)))
+    allowed += [
+        Allowance(
+            "socket",
+            (
+                ArgCmp(0, CmpOp.EQ, int(family)),
+                ArgCmp(1, CmpOp.MASKED_EQ, SOCK_TYPE_MASK, kind),
+                ArgCmp(2, CmpOp.EQ, protocol),
+            ),
+        )
+        for family in (socket.AF_INET, socket.AF_INET6)
+        for kind, protocols in kinds
+        for protocol in protocols
+    ]
+    return tuple(allowed)
+
+
+def _setsockopt_allowances() -> tuple[Allowance, ...]:
+    # Refused: level TCP and option TCP_FASTOPEN_CONNECT (each masked to 32 bits). Allowed: any
+    # other level, or level TCP with any other option (two disjoint sets).
+    other_level = tuple(
+        Allowance("setsockopt", (cmp,)) for cmp in _outside(1, [IPPROTO_TCP], bits=32)
+    )
+    tcp = ArgCmp(1, CmpOp.MASKED_EQ, _U32, IPPROTO_TCP)
+    other_option = tuple(
+        Allowance("setsockopt", (tcp, cmp)) for cmp in _outside(2, [TCP_FASTOPEN_CONNECT], bits=32)
+    )
+    return other_level + other_option
+
+
+def _mask(flags: Iterable[int]) -> int:
+    mask = 0
+    for flag in flags:
+        mask |= flag
+    return mask
 
 
 def _clone_flags_index() -> int:
@@ -634,6 +633,14 @@ class _Libseccomp:
         """The native number of ``name``; negative when this architecture lacks it."""
         return int(self._module.resolve_syscall(self._module.Arch.NATIVE, name))
 
+    def name(self, number: int) -> str | None:
+        """The native name of syscall ``number``, or None when libseccomp knows none."""
+        try:
+            name = self._module.resolve_syscall(self._module.Arch.NATIVE, number)
+        except ValueError:
+            return None
+        return bytes(name).decode("ascii")
+
     def native_arch(self) -> int:
         return int(self._module.system_arch())
 
@@ -659,7 +666,8 @@ def build_filter(options: SeccompOptions | None = None) -> SyscallFilter:
 
 
 def _build(lib: _Libseccomp, options: SeccompOptions) -> _Built:
-    seccomp_filter = lib.new_filter(ACT_ALLOW)
+    # Anything no rule names gets ENOSYS: a call newer than the table, or no call at all.
+    seccomp_filter = lib.new_filter(_ACT_ERRNO | errno.ENOSYS)
     notes: list[str] = []
     bad_arch_action = _set_bad_arch_action(seccomp_filter, options, notes)
     try:
@@ -669,43 +677,22 @@ def _build(lib: _Libseccomp, options: SeccompOptions) -> _Built:
     except OSError as exc:
         notes.append(f"TSYNC unavailable ({_errno_name(exc.errno)}): only the loading thread")
     # A binary search over the listed syscall numbers instead of a linear scan: every syscall
-    # the child makes, filtered or not, pays for the filter. libseccomp < 2.5 lacks it; the
-    # linear filter is just as strict.
+    # the child makes pays for the filter, and the allow list names hundreds. libseccomp < 2.5
+    # lacks it; the linear filter is just as strict.
     with contextlib.suppress(OSError):
         seccomp_filter.set_attr(_ATTR_CTL_OPTIMIZE, 2)
-    arch = lib.native_arch()
-    numbers: dict[str, int | None] = {}
-    skipped: list[str] = []
-    failed: list[str] = []
-    groups: list[RuleGroup] = []
-    for group in plan(options):
-        added: list[Rule] = []
-        for rule in group.rules:
-            if rule.syscall not in numbers:
-                numbers[rule.syscall] = _number(lib, arch, rule.syscall)
-            number = numbers[rule.syscall]
-            if number is None:
-                skipped.append(rule.syscall)
-                continue
-            action = _ACT_ERRNO | (rule.errno & 0xFFFF)
-            try:
-                seccomp_filter.add_rule(action, number, *(lib.arg(cmp) for cmp in rule.args))
-            except OSError as exc:
-                failed.append(rule.syscall)
-                notes.append(f"{rule.syscall}: rule not added: {_errno_name(exc.errno)}")
-                continue
-            added.append(rule)
-        if added:
-            groups.append(RuleGroup(group.name, group.why, tuple(added)))
-    skipped = list(dict.fromkeys(skipped))
-    failed = list(dict.fromkeys(failed))
-    rule_count = sum(len(group.rules) for group in groups)
+    adder = _Adder(lib, seccomp_filter, notes)
+    groups = _add_argument_rules(adder, options)
+    allowed = _add_allow_list(adder, options)
+    refused = _add_refusals(adder)
+    skipped = list(dict.fromkeys(adder.skipped))
+    failed = list(dict.fromkeys(adder.failed))
     if failed:
         status = Status.PARTIAL
-        reason = f"{rule_count} rules in force, but not for: {', '.join(failed)}"
+        reason = f"{summary(len(allowed))}, but rules not added for: {', '.join(failed)}"
     else:
         status = Status.FULL
-        reason = f"{rule_count} rules in {len(groups)} groups; non-native ABIs: {bad_arch_action}"
+        reason = f"{summary(len(allowed))}; non-native ABIs: {bad_arch_action}"
     report = SeccompReport(
         status=status,
         reason=reason,
@@ -714,8 +701,94 @@ def _build(lib: _Libseccomp, options: SeccompOptions) -> _Built:
         failed=tuple(failed),
         bad_arch_action=bad_arch_action,
         notes=tuple(notes),
+        allowed=tuple(allowed),
+        refused=tuple(refused),
     )
     return _Built(seccomp_filter, report)
+
+
+class _Adder:
+    """Adds rules to one filter, resolving names once and recording what was skipped or failed."""
+
+    def __init__(self, lib: _Libseccomp, seccomp_filter: SyscallFilter, notes: list[str]) -> None:
+        self.lib = lib
+        self.filter = seccomp_filter
+        self.arch = lib.native_arch()
+        self.notes = notes
+        self.skipped: list[str] = []
+        self.failed: list[str] = []
+        self._numbers: dict[str, int | None] = {}
+
+    def number(self, name: str) -> int | None:
+        if name not in self._numbers:
+            self._numbers[name] = _number(self.lib, self.arch, name)
+        return self._numbers[name]
+
+    def add(self, action: int, name: str, args: tuple[ArgCmp, ...] = ()) -> bool:
+        """True when the rule is in the filter; False when skipped (no such call) or failed."""
+        number = self.number(name)
+        if number is None:
+            self.skipped.append(name)
+            return False
+        try:
+            self.filter.add_rule(action, number, *(self.lib.arg(cmp) for cmp in args))
+        except OSError as exc:
+            self.failed.append(name)
+            self.notes.append(f"{name}: rule not added: {_errno_name(exc.errno)}")
+            return False
+        return True
+
+
+def _add_argument_rules(adder: _Adder, options: SeccompOptions) -> list[RuleGroup]:
+    """The refusals of plan() and their complement, allowances(); returns the groups in force."""
+    groups: list[RuleGroup] = []
+    for group in plan(options):
+        added = tuple(
+            rule
+            for rule in group.rules
+            if adder.add(_ACT_ERRNO | (rule.errno & 0xFFFF), rule.syscall, rule.args)
+        )
+        if added:
+            groups.append(RuleGroup(group.name, group.why, added))
+    for allowance in allowances(options):
+        adder.add(ACT_ALLOW, allowance.syscall, allowance.args)
+    return groups
+
+
+def _add_allow_list(adder: _Adder, options: SeccompOptions) -> list[str]:
+    allowed = []
+    for name in ALLOWED:
+        if name in ARGUMENT_CHECKED:
+            # Its allowances were added with the argument rules; an unconditional ALLOW here
+            # would override them. socketpair without unix sockets has none: refused outright.
+            present = adder.number(name) is not None
+            if present and (name != "socketpair" or options.allow_unix_sockets):
+                allowed.append(name)
+            elif not present:
+                adder.skipped.append(name)
+        elif adder.add(ACT_ALLOW, name):
+            allowed.append(name)
+    return allowed
+
+
+def _add_refusals(adder: _Adder) -> list[str]:
+    """EPERM for every call this architecture's table knows that is neither allowed nor sent to
+    ENOSYS (the default) on purpose. Returns their names."""
+    refused = []
+    for name in _known_names(adder):
+        if name in ALLOWED or name in FALLBACK:
+            continue
+        if adder.add(_ACT_ERRNO | errno.EPERM, name):
+            refused.append(name)
+    return refused
+
+
+def _known_names(adder: _Adder) -> list[str]:
+    names = [name for number in range(_SCAN_LIMIT) if (name := adder.lib.name(number))]
+    names += [
+        name for name in NEWER_NUMBERS if name not in names and adder.number(name) is not None
+    ]
+    return names
 
 
 def _set_bad_arch_action(
@@ -741,7 +814,7 @@ def _number(lib: _Libseccomp, arch: int, name: str) -> int | None:
     if number >= 0:
         return number
     if number == _NR_UNKNOWN and arch in _UNIFIED_TABLE_ARCHES:
-        return _UNIFIED_NUMBERS.get(name)
+        return NEWER_NUMBERS.get(name)
     return None
 
 

@@ -1574,6 +1574,10 @@ def _held(applied: Mapping[str, Any]) -> dict[Mechanism, tuple[Enforcement, str]
     seccomp = str(applied.get("seccomp", "none"))
     captured = (applied.get("capture") or {}).get("status") == "full"
     udp = "UDP sockets allowed: captured, they reach only the DNS address" if captured else ""
+    if seccomp in {"full", "partial"}:
+        from egressbox.confine.syscall_table import report_row
+
+        udp = "; ".join(filter(None, (report_row(), udp)))
     detail = f"constructed root ({len(world.get('steps') or ())} steps)"
     return {
         Mechanism.NETWORK_NAMESPACE: (full if "net" in ns else none, ""),

@@ -297,7 +297,7 @@ def _compiled_seccomp(allow_udp: bool = False) -> bytes:
 
     `allow_udp` is the variant for a captured child (UDP sockets allowed: they reach only
     egressbox's DNS socket); each variant has a cache file of its own, keyed by the machine,
-    kernel, libseccomp and egressbox's filter table.
+    kernel, libseccomp and egressbox's filter (its rules and its allow list's table).
     """
     import json
 
@@ -309,6 +309,7 @@ def _compiled_seccomp(allow_udp: bool = False) -> bytes:
         "machine": os.uname().machine,
         "release": os.uname().release,
         "table": _mtime(_source("confine", "seccomp.py")),
+        "allow_list": _mtime(_source("confine", "syscall_table.py")),
         "libseccomp": _library(LIBRARIES[0]),
     }
     path = cache.path(f"{variant}-{_key_name(key)}.json")
