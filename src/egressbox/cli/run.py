@@ -18,6 +18,7 @@ from egressbox.runner.options import (
     with_settings,
     write_err,
 )
+from egressbox.runner.spawn import LaunchFailedError
 
 if TYPE_CHECKING:
     from egressbox.audit.record import AuditSink
@@ -339,6 +340,9 @@ def _run_reporting_errors(
     except CommandNotFoundError as exc:
         write_err(str(exc))
         return EXIT_NOT_FOUND
+    except LaunchFailedError as exc:  # its code says the cause (the proxy's bind: 121)
+        write_err(str(exc))
+        return exc.code
     except EgressboxError as exc:
         write_err(str(exc))
         return EXIT_CANNOT_CONFINE

@@ -36,7 +36,12 @@ from egressbox.confine import netns
 from egressbox.confine.cgroup import CgroupPlan
 from egressbox.confine.plan import CAPTURE_FILES, Mechanism, WorldSpec
 from egressbox.confine.staging import StagingSpec
-from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND
+from egressbox.core.exitcodes import (
+    CAUSE_CODES,
+    EXIT_CANNOT_CONFINE,
+    EXIT_CANNOT_EXECUTE,
+    EXIT_NOT_FOUND,
+)
 
 # Signals the launcher and the reaper pass on to the command.
 FORWARDED = (
@@ -52,7 +57,12 @@ RLIMIT_CORE_OFF = 0  # no core dumps: they could hold secrets read by the child
 
 
 class LaunchError(Exception):
-    """Confinement could not be applied; the command must not run."""
+    """Confinement could not be applied; the command must not run. `cause` is the parent's
+    exit code's (core/exitcodes.py CAUSE_CODES)."""
+
+    def __init__(self, message: str, cause: str = "confinement_unavailable") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class LaunchPlan(NamedTuple):
@@ -122,8 +132,8 @@ def launcher_main(plan: LaunchPlan, chan_fd: int) -> NoReturn:
     try:
         code = _launch(plan, chan)
     except LaunchError as exc:
-        _refuse(chan, str(exc))
-        code = EXIT_CANNOT_CONFINE
+        _refuse(chan, str(exc), exc.cause)
+        code = CAUSE_CODES.get(exc.cause, EXIT_CANNOT_CONFINE)
     except BaseException as exc:  # anything unexpected: never run unconfined
         _refuse(chan, f"launcher failed: {exc!r}")
         code = EXIT_CANNOT_CONFINE
@@ -153,14 +163,14 @@ class _Progress:
 _PROGRESS = _Progress()
 
 
-def _refuse(chan: socket.socket, message: str) -> None:
+def _refuse(chan: socket.socket, message: str, cause: str = "confinement_unavailable") -> None:
     # Before the listeners are handed over the parent is reading the channel
     # and reports the refusal; afterwards it only waits for our exit status.
     if _PROGRESS.listening_sent:
         with contextlib.suppress(OSError):
             os.write(2, f"egressbox: cannot confine the command: {message}\n".encode())
     else:
-        _tell(chan, {"event": "refused", "message": message})
+        _tell(chan, {"event": "refused", "message": message, "cause": cause})
 
 
 def _preload(plan: LaunchPlan) -> None:
@@ -362,7 +372,14 @@ def _listeners(plan: LaunchPlan, chan: socket.socket) -> tuple[int, ...]:
         _tell(chan, {"event": "listening", "ports": list(plan.host_ports)})
         return plan.host_ports
     netns.loopback_up()
-    socks = [netns.bind_listener(plan.proxy_host, 0) for _ in range(2)]
+    try:
+        socks = [netns.bind_listener(plan.proxy_host, 0) for _ in range(2)]
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot bind the proxy's listeners on {plan.proxy_host} inside the command's "
+            f"network namespace: {exc.strerror or exc}",
+            "proxy_bind",
+        ) from None
     ports = tuple(s.getsockname()[1] for s in socks)
     roles = ["http", "socks"]
     if plan.capture:

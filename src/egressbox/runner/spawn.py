@@ -16,7 +16,7 @@ from egressbox.confine.plan import (
     Mechanism,
 )
 from egressbox.core.errors import EgressboxError
-from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE
+from egressbox.core.exitcodes import CAUSE_CODES, EXIT_CANNOT_CONFINE
 from egressbox.net.original import Destinations
 from egressbox.runner import zygote
 from egressbox.runner.assemble import (
@@ -388,7 +388,9 @@ def _receive(chan: socket.socket, prepared: Prepared) -> dict[str, socket.socket
     if message.get("event") == "refused":
         for fd in fds:
             os.close(fd)
-        raise LaunchFailedError(str(message.get("message", "confinement failed")))
+        cause = str(message.get("cause", "confinement_unavailable"))
+        code = CAUSE_CODES.get(cause, EXIT_CANNOT_CONFINE)
+        raise LaunchFailedError(str(message.get("message", "confinement failed")), code)
     if message.get("event") != "listening":
         for fd in fds:
             os.close(fd)
