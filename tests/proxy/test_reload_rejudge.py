@@ -163,7 +163,7 @@ async def test_a_captured_connection_is_closed_by_a_reload(
     """A captured connection (`run` with capture) is a `tcp` tunnel: a reload that denies its
     destination closes it. The kernel's redirect is stood in for by the original destination
     the capture listener reads (tests/proxy/test_capture_clients.py has the real one)."""
-    import egressbox.confine.capture as capture
+    import egressbox.net.original as capture
 
     monkeypatch.setattr(capture, "original_destination", lambda sock: (LOOPBACK, origin.port))
     listener = socket.create_server((LOOPBACK, 0))

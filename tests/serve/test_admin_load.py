@@ -480,6 +480,8 @@ async def test_serve_health_under_load_and_no_descriptor_leak(tmp_path: Path) ->
             attackers = subprocess.Popen(
                 [sys.executable, __file__, host, port_text, "64", "16", "8"],
                 stdin=subprocess.DEVNULL,
+                # The script imports the tests' helpers (tests/serving.py), one level up.
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
             )
             try:
                 # Until they fill the listener (and its first-byte deadline has passed).
