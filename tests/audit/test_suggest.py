@@ -222,8 +222,8 @@ def test_refused_addresses_appear_commented_out_with_a_warning(reason: Reason, p
     assert reason.value in block and phrase in block
 
 
-@pytest.mark.parametrize("address", ["10.0.0.5", "127.0.0.1", "192.0.2.7", "::ffff:10.0.0.1"])
-def test_private_or_special_ip_literals_seen_allowed_are_still_withheld(address: str) -> None:
+@pytest.mark.parametrize("address", ["192.0.2.7", "::ffff:10.0.0.1", "224.0.0.5"])
+def test_special_ip_literals_seen_allowed_are_still_withheld(address: str) -> None:
     # Report mode under an allow_cidrs grant lets these through; the suggestion must not.
     text = suggest([rec(address, 8080), rec(address, 8081, ALLOWED)])
     assert allow_texts(text) == []
@@ -233,6 +233,75 @@ def test_private_or_special_ip_literals_seen_allowed_are_still_withheld(address:
         Reason.PRIVATE_ADDRESS,
         Reason.SPECIAL_ADDRESS,
     )
+
+
+@pytest.mark.parametrize(
+    ("address", "network", "category"),
+    [
+        ("10.0.0.5", "10.0.0.5/32", "private"),
+        ("127.0.0.1", "127.0.0.1/32", "loopback"),
+        ("::1", "::1/128", "loopback"),
+        ("fd12::7", "fd12::7/128", "private"),
+        ("169.254.10.1", "169.254.10.1/32", "link-local"),
+        ("100.64.0.1", "100.64.0.1/32", "shared"),
+    ],
+)
+def test_local_ip_literals_let_through_are_admitted_with_their_one_address_grant(
+    address: str, network: str, category: str
+) -> None:
+    # A local registry learned in report mode (would_deny private_address) or allowed.
+    records = [
+        rec(address, 8080, (Verdict.WOULD_DENY, Reason.PRIVATE_ADDRESS)),
+        rec(address, 8081, ALLOWED),
+    ]
+    text = suggest(records)
+    policy = load(text)
+    assert [str(net) for net in policy.allow_cidrs] == [network]
+    assert policy.warnings == ()  # the grant is what `check` would otherwise ask for
+    ip = ipaddress.ip_address(address)
+    assert policy.allow_cidr_for(ip) == ipaddress.ip_network(network)
+    assert not policy.allow_cidr_for(ip + 1)  # one address, not its range
+    assert admits(policy, address, 8080) and admits(policy, address, 8081)
+    lines = text.splitlines()
+    entry = lines.index(f'    "{network}",')
+    assert f"is a {category} address" in lines[entry - 1] + lines[entry - 2]
+    assert "NOTE" not in text  # the grant lifts what report mode said of them
+
+
+def test_localhost_learned_gets_both_loopback_grants_and_the_check_is_quiet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = [rec("localhost", 5000), rec("localhost", 5001, ALLOWED), rec("pypi.org", 443)]
+    text = suggest(records)
+    policy = load(text)
+    assert allow_texts(text) == ["localhost:5000", "localhost:5001", "pypi.org:443"]
+    assert [str(net) for net in policy.allow_cidrs] == ["127.0.0.1/32", "::1/128"]
+    assert "resolves to loopback" in text
+    out = checked(tmp_path, text, capsys)
+    assert "warning" not in out and "(3 allow, 0 deny, 2 allow_cidrs" in out
+
+
+def test_local_destination_refused_for_its_address_is_learned_with_its_grant() -> None:
+    # Report mode lets no local address through: the log says deny private_address.
+    records = [denied("localhost", 5000, Reason.PRIVATE_ADDRESS)]
+    records += [denied("10.0.0.5", 5432, Reason.PRIVATE_ADDRESS)]
+    text = suggest(records)
+    policy = load(text)
+    assert allow_texts(text) == ["localhost:5000", "10.0.0.5:5432"]
+    assert [str(n) for n in policy.allow_cidrs] == ["10.0.0.5/32", "127.0.0.1/32", "::1/128"]
+    assert policy.warnings == ()
+    flat = " ".join(line.strip("# ") for line in text.splitlines())
+    assert "localhost:5000 was refused 1 time for private_address" in flat
+    assert "below is what admits it" in flat
+
+
+def test_local_destination_refused_for_other_reasons_stays_withheld() -> None:
+    text = suggest([denied("10.0.0.5", 5432, Reason.NO_ALLOW_RULE)])
+    assert allow_texts(text) == [] and load(text).allow_cidrs == ()
+    assert '    # "10.0.0.5:5432",  # denied in the log: no_allow_rule' in text
+    # A name not local by definition: its address is unknown, so no grant is written.
+    text = suggest([denied("registry.internal", 5000, Reason.PRIVATE_ADDRESS)])
+    assert allow_texts(text) == [] and load(text).allow_cidrs == ()
 
 
 @pytest.mark.parametrize(
@@ -254,16 +323,12 @@ def test_metadata_ip_literals_seen_allowed_are_withheld_whatever_the_base(addres
     assert [w.reason for w in plan.withheld] == [Reason.METADATA_ADDRESS]
 
 
-def test_private_ip_literal_stays_commented_even_when_the_base_policy_grants_it() -> None:
+def test_local_ip_literal_under_a_base_grant_needs_no_second_grant() -> None:
     base = parse_policy({"egress": {"allow_cidrs": ["10.0.0.0/24"]}}, env={}, source="base.toml")
     text = suggest([rec("10.0.0.5", 5432), rec("10.0.1.5", 5432)], base=base)
-    assert allow_texts(text) == []
-    assert '    # "10.0.0.5:5432",  # 1 connection let through in the log' in text
-    assert '    # "10.0.1.5:5432",  # 1 connection let through in the log' in text
-    flat = " ".join(line.strip("# ") for line in text.splitlines())
-    assert "allow_cidrs entry 10.0.0.0/24 (kept below) covers it: uncommenting is enough" in flat
-    assert flat.count("uncommenting is enough") == 1  # 10.0.1.5 is outside the grant
-    assert load(text).allow_cidrs == (ipaddress.ip_network("10.0.0.0/24"),)
+    assert allow_texts(text) == ["10.0.0.5:5432", "10.0.1.5:5432"]
+    # 10.0.0.5 is covered by the kept base entry; 10.0.1.5 gets its own.
+    assert [str(n) for n in load(text).allow_cidrs] == ["10.0.0.0/24", "10.0.1.5/32"]
 
 
 def test_a_name_both_admitted_and_refused_gets_a_note_not_a_second_entry() -> None:
@@ -369,7 +434,7 @@ def test_egressbox_check_accepts_the_output(
     path = tmp_path / "suggested.toml"
     path.write_text(suggest(records, sources=["audit.jsonl"]))
     assert cli_main(["check", str(path)]) == 0
-    assert f"{path}: ok (2 allow, 0 deny, 0 allow_cidrs, 2 deny_cidrs; mode enforce)" in (
+    assert f"{path}: ok (3 allow, 0 deny, 1 allow_cidrs, 2 deny_cidrs; mode enforce)" in (
         capsys.readouterr().out
     )
     assert load_policy(str(path), env={}).mode is Mode.ENFORCE
@@ -463,7 +528,7 @@ def test_learning_from_a_report_mode_log_admits_would_deny(
     assert "(3 allow, 0 deny" in checked(tmp_path, text, capsys)
 
 
-def test_base_policy_never_makes_denied_loopback_or_the_own_listener_an_entry(
+def test_base_policy_never_makes_the_own_listener_an_entry(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = parse_policy(
@@ -480,22 +545,17 @@ def test_base_policy_never_makes_denied_loopback_or_the_own_listener_an_entry(
         rec("pypi.org", 443, ALLOWED),
     ]
     text = suggest(records, base=base)
-    assert allow_texts(text) == ["pypi.org:443"]
-    assert (
-        '    # "127.0.0.1:22",  # 1 connection let through in the log; denied in the log: '
-        "no_allow_rule" in text
-    )
+    assert allow_texts(text) == ["pypi.org:443", "127.0.0.1:22"]  # let through once
     assert '    # "127.0.0.1:3128",  # denied in the log: self_connection' in text
     assert '    # "proxy.local.test:3128",  # 1 connection let through in the log; denied' in text
     plan = plan_suggestion(records, base=base)
     assert {(w.pattern, w.reason) for w in plan.withheld} == {
-        ("127.0.0.1:22", Reason.PRIVATE_ADDRESS),
         ("127.0.0.1:3128", Reason.SELF_CONNECTION),
         ("proxy.local.test:3128", Reason.SELF_CONNECTION),
     }
     policy = load(text)
-    assert not admits(policy, "127.0.0.1", 22) and not admits(policy, "127.0.0.1", 3128)
-    assert "(1 allow, 0 deny, 1 allow_cidrs, 2 deny_cidrs; mode enforce)" in checked(
+    assert admits(policy, "127.0.0.1", 22) and not admits(policy, "127.0.0.1", 3128)
+    assert "(2 allow, 0 deny, 1 allow_cidrs, 2 deny_cidrs; mode enforce)" in checked(
         tmp_path, text, capsys
     )
 
@@ -572,11 +632,17 @@ def test_every_entry_is_backed_by_a_let_through_record_with_a_port(
     backed = {
         (r.host, r.port)
         for r in records
-        if r.protocol is not AuditProtocol.DNS and r.decision is not Verdict.DENY
+        if r.protocol is not AuditProtocol.DNS
+        and (
+            r.decision is not Verdict.DENY
+            # a local destination held back only by its address class: learned with its grant
+            or (r.reason is Reason.PRIVATE_ADDRESS and r.host in ("10.0.0.5", "127.0.0.1", "::1"))
+        )
     }
     refused_self = {(r.host, r.port) for r in records if r.reason is Reason.SELF_CONNECTION}
     for host, port, _, _ in logged:  # a dns record's name on the port drawn with it too
         if admits(policy, host, port):
             assert (host, port) in backed and (host, port) not in refused_self
-            assert host not in ("10.0.0.5", "127.0.0.1", "::1")  # private: never an entry
+            if host in ("10.0.0.5", "127.0.0.1", "::1"):  # local: with its one-address grant
+                assert policy.allow_cidr_for(ipaddress.ip_address(host)) is not None
     assert all(rule.port for rule in policy.allow.rules)

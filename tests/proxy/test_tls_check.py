@@ -210,3 +210,44 @@ def test_a_captured_requests_host_must_be_the_name_it_was_decided_for(
     assert (refusal is None) is passes
     if refusal is not None:
         assert refusal.reason.value == "host_mismatch" and not refusal.allowed
+
+
+def _admitted_at(host: str, port: int, addresses: tuple[str, ...]) -> Decision:
+    from egressbox.core.decide import parse_target
+
+    target = parse_target(host, port)
+    ips = tuple(ipaddress.ip_address(a) for a in addresses)
+    return Decision(Verdict.ALLOW, Reason.ALLOWED, target.host.text, port, ips, None, "")
+
+
+@pytest.mark.parametrize(
+    ("decided", "host", "passes"),
+    [
+        # Decided as localhost (a synthetic address, or 127.0.0.1 under a localhost entry).
+        ("localhost", "localhost:5000", True),
+        ("localhost", "LOCALHOST.:5000", True),
+        ("localhost", "127.0.0.1:5000", True),  # an address the connection was dialled to
+        ("localhost", "[::1]:5000", False),  # not among the dialled addresses
+        ("localhost", "127.0.0.2:5000", False),
+        ("localhost", "evil.example", False),
+        ("localhost", "registry.localhost:5000", False),
+        # Decided as the address 127.0.0.1 (an IP entry): localhost is what the child's
+        # hosts file calls it; any other name must be admitted by the policy itself.
+        ("127.0.0.1", "localhost:5000", True),
+        ("127.0.0.1", "Localhost", True),
+        ("127.0.0.1", "127.0.0.1:5000", True),
+        ("127.0.0.1", "evil.example:5000", False),
+        ("127.0.0.1", "foo.localhost:5000", False),
+        ("10.0.0.5", "localhost:5000", False),  # not a loopback address
+    ],
+)
+def test_a_captured_hosts_other_spelling_of_the_same_host_passes(
+    decided: str, host: str, passes: bool
+) -> None:
+    policy = parse_policy({"egress": {"allow": [f"{decided}:5000"]}}, env={})
+    admitted = _admitted_at(decided, 5000, ("127.0.0.1",) if decided == "localhost" else ())
+    head = f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    refusal = host_check(policy, admitted, head)
+    assert (refusal is None) is passes, refusal
+    if refusal is not None:
+        assert refusal.reason is Reason.HOST_MISMATCH

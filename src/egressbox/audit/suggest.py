@@ -8,11 +8,17 @@ mode), with its exact port. Names stay exact unless MIN_SIBLINGS or more distinc
 share a parent domain on one port (see ``_wildcards``). IP literals stay single addresses.
 Records of protocol ``tcp`` (captured connections) count like ``connect`` ones.
 
+Local destinations a program was let through to (a registry on ``localhost:5000`` or
+``127.0.0.1:8080``, a database on ``10.0.0.5:5432``, typically learned in report mode)
+are admitted together with the one-address ``allow_cidrs`` entry each needs, commented
+with why (core/local.py): every address is checked, so the entry alone would not work.
+
 What is never admitted: a destination whose records are all ``deny`` (whatever the
-reason); one refused as ``self_connection``; an IP literal in a private or special range
-or naming a cloud metadata endpoint (even when a base policy grants its range: the entry
-stays for a person to uncomment). Those appear commented out in the allow list with the
-reason, the address classes under a ``# WARNING:`` line saying what to add if intended.
+reason); one refused as ``self_connection``; an IP literal in a special range or naming a
+cloud metadata endpoint, or a local one the log shows only refused (even when a base
+policy grants its range: the entry stays for a person to uncomment). Those appear
+commented out in the allow list with the reason, the address classes under a
+``# WARNING:`` line saying what to add if intended.
 Refusals no allow entry changes (DNS failures, deny rules, bad hosts) are listed in a
 closing comment. A ``dns`` record (a name question, port 0) never becomes an entry: it is
 counted on an entry that admits the name with a port, or else listed as a hint.
@@ -42,6 +48,7 @@ from egressbox.core.addresses import (
 )
 from egressbox.core.errors import Reason, Verdict
 from egressbox.core.hosts import format_authority
+from egressbox.core.local import Grant, grants_needed, local_category
 from egressbox.core.policy import REPORT_MODE_WARNING, Mode, Policy
 from egressbox.core.rules import IPNetwork, PatternError, Rule, RuleKind, min_prefix, parse_pattern
 
@@ -188,6 +195,7 @@ class Suggestion:
     first_ts: datetime | None
     last_ts: datetime | None
     lookups: tuple[Lookup, ...] = ()
+    grants: tuple[Grant, ...] = ()  # allow_cidrs the admitted local destinations need
 
     @property
     def commented(self) -> int:
@@ -292,7 +300,27 @@ def plan_suggestion(
         first_ts=log.first_ts,
         last_ts=log.last_ts,
         lookups=_hints(log.lookups, {seen.rule.value for seen in names}),
+        grants=_grants(sorting.admitted, base),
     )
+
+
+def _grants(admitted: Iterable[_Seen], base: Policy | None) -> tuple[Grant, ...]:
+    """One allow_cidrs entry per local address an admitted destination needs, unless
+    the base policy (kept in the output) already covers it."""
+    found: dict[IPNetwork, list[Grant]] = {}
+    for seen in _ordered(admitted):
+        for grant in grants_needed(seen.rule.value, seen.rule.port or 0):
+            if base is None or not _base_covers(base, grant.network):
+                found.setdefault(grant.network, []).append(grant)
+    merged = [Grant(net, "; ".join(g.why for g in grants)) for net, grants in found.items()]
+    return tuple(sorted(merged, key=lambda g: (g.network.version, g.network)))
+
+
+def _base_covers(base: Policy, network: IPNetwork) -> bool:
+    ip = network.network_address
+    if base.allow_cidr_for(ip) is not None:
+        return True
+    return base.allow_private and lookup(ip).category in PRIVATE_LIKE
 
 
 @dataclass(slots=True)
@@ -315,7 +343,7 @@ class _Sorted:
         if reason is not None:
             grant = _base_grant(rule, self.base) if reason in _ADDRESS_CLASSES else None
             self.withheld.append(Withheld(rule.text, reason, seen.admitted, seen.denied, grant))
-        elif seen.admitted:
+        elif seen.admitted or _held_back_by_address(seen):
             self.admitted.append(seen)  # any refusals become a note on the entry
         else:
             self.ignored.append(Ignored(rule.text, seen.denied))
@@ -325,14 +353,29 @@ def _withheld_for(seen: _Seen) -> Reason | None:
     """Why the destination is shown commented out, or None (admitted, or ignored)."""
     if any(reason is Reason.SELF_CONNECTION for reason, _ in seen.denied):
         return Reason.SELF_CONNECTION  # the proxy's own listener: never an entry
+    local = _held_back_by_address(seen) or (seen.admitted and _grantable(seen.rule))
     concern = _address_concern(seen.rule)
-    if concern is not None:
+    if concern is not None and not local:
         return concern
-    if seen.admitted:
+    if seen.admitted or local:
         return None
     if seen.warned:
         return seen.warned[0][0]
     return next((reason for reason, _ in seen.denied if reason in _ENTRY_REASONS), None)
+
+
+def _grantable(rule: Rule) -> bool:
+    """An IP literal a one-address allow_cidrs entry may open (loopback, private ...)."""
+    return rule.kind is RuleKind.IP and local_category(ipaddress.ip_address(rule.value)) is not None
+
+
+def _held_back_by_address(seen: _Seen) -> bool:
+    """A local destination (localhost, a loopback or private literal) the log shows refused
+    for private_address: its name rules passed (or report mode let them), only the address
+    class stopped it, even in report mode. That is what learning a local registry looks
+    like, and exactly what the one-address grant written for it lifts."""
+    refused = any(reason is Reason.PRIVATE_ADDRESS for reason, _ in seen.denied)
+    return refused and bool(grants_needed(seen.rule.value, seen.rule.port or 0))
 
 
 def _all_reasons(tally: _Tally) -> tuple[tuple[Reason, int], ...]:
@@ -399,19 +442,33 @@ def _ordered(seen: Iterable[_Seen]) -> list[_Seen]:
 def _notes(seen: _Seen) -> tuple[str, ...]:
     """Warnings for an admitted destination that the log also shows refused."""
     target = seen.rule.text
+    # A local destination's private_address refusals are what its allow_cidrs grant lifts.
+    granted = {Reason.PRIVATE_ADDRESS} if grants_needed(seen.rule.value, 0) else set()
     notes = [
         f"{target} was also refused {_plural(count, 'time')} for {reason.value}: "
         "some of its answers pointed where this entry does not reach (a changing answer "
         "can be DNS rebinding); those stay denied."
         for reason, count in seen.warned
+        if reason not in granted
     ]
+    lifted = sum(n for r, n in seen.denied if r in granted)
+    if lifted:
+        notes.append(
+            f"{target} was refused {_plural(lifted, 'time')} for private_address (a local "
+            "address is denied even in report mode); the allow_cidrs entry written for it "
+            "below is what admits it."
+        )
     other = [(r, n) for r, n in seen.denied if r not in _WARNINGS]
     if other:
         notes.append(
             f"{target} was also denied in the log ({_counts(other)}); the entry is here for "
             "the connections that were let through."
         )
-    late = [(r, n) for r, n in seen.tally.reasons(Verdict.WOULD_DENY) if r not in _ENTRY_REASONS]
+    late = [
+        (r, n)
+        for r, n in seen.tally.reasons(Verdict.WOULD_DENY)
+        if r not in _ENTRY_REASONS and r not in granted
+    ]
     if late:
         notes.append(
             f"{target} was let through in report mode although {_counts(late)} closes such "
@@ -530,11 +587,13 @@ def _header(suggestion: Suggestion, sources: Sequence[str]) -> list[str]:
         f"# Records: {suggestion.records}, {span} (UTC)",
         "#",
         "# It admits exactly the host:port pairs the log shows allowed or would_deny (report",
-        "# mode). Destinations denied in the log, and private, special, metadata or the",
-        "# proxy's own addresses, are commented out with the reason. Review every entry",
-        "# before enforcing it: the log shows what a program did, not what it should do.",
+        "# mode). Destinations denied in the log, and special, metadata or the proxy's own",
+        "# addresses, are commented out with the reason. Review every entry before enforcing",
+        "# it: the log shows what a program did, not what it should do.",
         "# Names are admitted by name: the addresses they resolve to are still checked, and",
-        "# a private or special one stays denied unless egress.allow_cidrs covers it.",
+        "# a private or special one stays denied unless egress.allow_cidrs covers it. A local",
+        "# destination let through (localhost, loopback or private addresses) gets the",
+        "# one-address allow_cidrs entry it needs, with why.",
         "# Validate with: egressbox check FILE",
         "",
     ]
@@ -620,16 +679,29 @@ def _egress_lines(suggestion: Suggestion, base: Policy | None, min_siblings: int
     lines = ["[egress]", 'mode = "enforce"', *_allow_lines(suggestion, min_siblings)]
     deny_cidrs = [ipaddress.ip_network(text) for text in METADATA_DENY_CIDRS]
     if base is None:
-        lines += ["deny = []", "allow_cidrs = []"]
+        lines += ["deny = []", *_allow_cidrs_lines((), suggestion.grants)]
     else:
         origin = _comment_safe(base.source or "the base policy")
         lines.append(f"# deny, allow_cidrs, deny_cidrs and allow_private kept from {origin}")
         lines.append(_list("deny", (_toml_string(rule.text) for rule in base.deny.rules)))
-        lines.append(_list("allow_cidrs", (_network_text(net) for net in base.allow_cidrs)))
+        lines += _allow_cidrs_lines(base.allow_cidrs, suggestion.grants)
         deny_cidrs += [net for net in base.deny_cidrs if net not in deny_cidrs]
         if base.allow_private:
             lines.append("allow_private = true")
     lines.append(_list("deny_cidrs", (_toml_string(str(net)) for net in deny_cidrs)))
+    return lines
+
+
+def _allow_cidrs_lines(kept: Sequence[IPNetwork], grants: Sequence[Grant]) -> list[str]:
+    """allow_cidrs: the base policy's entries, then each grant with why above it."""
+    if not grants:
+        return [_list("allow_cidrs", (_network_text(net) for net in kept))]
+    lines = ["allow_cidrs = ["]
+    lines += [f"    {_network_text(net)}," for net in kept]
+    for grant in grants:
+        lines += _comment("", f"{grant.network}: {grant.why}.")
+        lines.append(f"    {_network_text(grant.network)},")
+    lines.append("]")
     return lines
 
 

@@ -36,6 +36,9 @@ N = TypeVar("N", int, float)
 
 ENV_ALLOW = "EGRESSBOX_ALLOW"
 ENV_DENY = "EGRESSBOX_DENY"
+# Comma-separated networks appended to egress.allow_cidrs (validated like the key's entries):
+# what a local registry's entry in EGRESSBOX_ALLOW needs, e.g. 127.0.0.1/32.
+ENV_ALLOW_CIDRS = "EGRESSBOX_ALLOW_CIDRS"
 
 
 class Mode(StrEnum):
@@ -368,6 +371,7 @@ class _Parser:
         allow = self.rules(egress, "allow", env.get(ENV_ALLOW, ""), ENV_ALLOW)
         deny = self.rules(egress, "deny", env.get(ENV_DENY, ""), ENV_DENY)
         allow_cidrs = self.cidrs(egress, "allow_cidrs", check_breadth=True)
+        allow_cidrs += self.env_cidrs(env.get(ENV_ALLOW_CIDRS, ""))
         deny_cidrs = self.cidrs(egress, "deny_cidrs", check_breadth=False)
         allow_private = self.boolean(egress, "allow_private", "egress.allow_private")
         mode = self.mode(egress)
@@ -459,6 +463,14 @@ class _Parser:
             )
             return []
         found = [self.cidr(e, f"{path}[{i}]", check_breadth) for i, e in enumerate(entries)]
+        return [net for net in found if net is not None]
+
+    def env_cidrs(self, text: str) -> list[IPNetwork]:
+        """EGRESSBOX_ALLOW_CIDRS: comma-separated, each checked like an allow_cidrs entry
+        (a bare address is that one address; a huge range is refused, there being no
+        way to write `broad = true` in it)."""
+        items = [item for item in text.split(",") if item.strip()]
+        found = [self.cidr(e, f"{ENV_ALLOW_CIDRS}[{i}]", True) for i, e in enumerate(items)]
         return [net for net in found if net is not None]
 
     def cidr(self, entry: object, path: str, check_breadth: bool) -> IPNetwork | None:
@@ -895,6 +907,7 @@ class _Parser:
             )
         ip = _rule_address(rule)
         if ip is None:
+            self.warn_loopback_name(policy, rule, path)
             return
         entry = lookup(ip)
         category = entry.category
@@ -919,6 +932,28 @@ class _Parser:
                 if category in PRIVATE_LIKE
                 else ""
             )
+        )
+
+    def warn_loopback_name(self, policy: Policy, rule: Rule, path: str) -> None:
+        """`localhost:PORT` resolves to loopback, which every entry needs a grant for."""
+        from egressbox.core.local import LOOPBACK_ADDRESSES, is_loopback_name
+        from egressbox.core.rules import RuleKind
+
+        if rule.kind is not RuleKind.NAME or not is_loopback_name(rule.value):
+            return
+        missing = [ip for ip in LOOPBACK_ADDRESSES if policy.allow_cidr_for(ip) is None]
+        if not missing:
+            return
+        cidrs = ", ".join(f'"{ip}/{ip.max_prefixlen}"' for ip in missing)
+        # Every address a name resolves to is checked, and one denied address denies the
+        # connection: most hosts files give localhost both 127.0.0.1 and ::1.
+        what = "loopback (127.0.0.1, and ::1 in most hosts files)"
+        if len(missing) < len(LOOPBACK_ADDRESSES):
+            what = f"{', '.join(map(str, missing))} in most hosts files"
+        self.warnings.append(
+            f'{path}: "{rule.text}" resolves to {what}, which stays denied unless '
+            f"egress.allow_cidrs covers it; add {cidrs} to egress.allow_cidrs "
+            f"(or set {ENV_ALLOW_CIDRS})"
         )
 
 
@@ -989,6 +1024,6 @@ def load_policy_or_environment(path: str | None) -> Policy | None:
     """The policy of a command: the file plus environment overrides, or none at all."""
     if path is not None:
         return load_policy(path)
-    if os.environ.get(ENV_ALLOW) or os.environ.get(ENV_DENY):
+    if os.environ.get(ENV_ALLOW) or os.environ.get(ENV_DENY) or os.environ.get(ENV_ALLOW_CIDRS):
         return parse_policy({}, source="environment")
     return None

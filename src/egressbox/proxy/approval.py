@@ -437,7 +437,33 @@ def approved_policy(approved: Sequence[Approved]) -> str:
         else:
             lines.append(f"    # {entry},  # allowed once")
     lines.append("]")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _approved_grants(approved)) + "\n"
+
+
+def _approved_grants(approved: Sequence[Approved]) -> list[str]:
+    """allow_cidrs for the approved local destinations (localhost, loopback, private IP
+    literals): without it the entry could never work, every address being checked. A
+    grant only an allowed-once entry needs is commented out like that entry."""
+    from egressbox.core.local import grants_needed
+
+    session: dict[str, list[str]] = {}
+    once: dict[str, list[str]] = {}
+    for item in approved:
+        into = session if item.answer is Answer.SESSION else once
+        for grant in grants_needed(item.host, item.port):
+            into.setdefault(str(grant.network), []).append(grant.why)
+    if not session and not once:
+        return []
+    lines = ["allow_cidrs = ["]
+    for network, whys in session.items():
+        lines += [f"    # {why}" for why in whys]
+        lines.append(f"    {json.dumps(network)},")
+    for network, whys in once.items():
+        if network not in session:
+            lines += [f"    # {why}" for why in whys]
+            lines.append(f"    # {json.dumps(network)},  # for an entry allowed once")
+    lines.append("]")
+    return lines
 
 
 # A policy file: readable by whoever loads it, as before (0644).

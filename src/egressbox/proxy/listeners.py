@@ -20,6 +20,7 @@ from egressbox.audit.record import AuditProtocol, AuditRecord
 from egressbox.core.decide import Decision
 from egressbox.core.errors import AuditError, Reason, Verdict
 from egressbox.core.hosts import INVALID_HOST_TEXT
+from egressbox.core.local import LOOPBACK_ADDRESSES, LOOPBACK_NAME
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.dial import DialError
 from egressbox.net.original import Destinations
@@ -268,7 +269,25 @@ class CapturedConnection(Connection):
             # An address we never gave out (guessed, or from an earlier run): no name to
             # decide, and the address itself is special: the gate refuses it.
             return address, port
+        if name is None and self._as_localhost(ip, port):
+            return LOOPBACK_NAME, port
         return name or address, port
+
+    def _as_localhost(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> bool:
+        """Whether a connection to 127.0.0.1 or ::1 is decided as `localhost:port`.
+
+        The child's /etc/hosts (confine/plan.py CAPTURE_HOSTS) maps localhost to these, so
+        `curl http://localhost:PORT` arrives here as the address, never as the name. When no
+        allow or deny entry names the address on that port but `localhost:PORT` is admitted,
+        the connection is the one that entry means: it is decided (and audited) by that
+        name, whose addresses are then checked like any other (allow_cidrs)."""
+        policy = self.state.policy
+        if policy is None or ip not in LOOPBACK_ADDRESSES:
+            return False
+        named = policy.allow.match_ip(ip, port) or policy.deny.match_ip(ip, port)
+        if named is not None:
+            return False
+        return policy.allow.match_name(LOOPBACK_NAME, port) is not None
 
     def data_received(self, data: bytes) -> None:
         if self.begun:  # reading is paused from begin() on: nothing can come after it

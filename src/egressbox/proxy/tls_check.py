@@ -48,6 +48,7 @@ from typing import Final, Protocol
 from egressbox.core.decide import Decision, NamePass, Target, decide_name, parse_target
 from egressbox.core.errors import AuditError, HostError, Reason, Verdict
 from egressbox.core.hosts import format_authority, split_authority
+from egressbox.core.local import LOOPBACK_ADDRESSES, LOOPBACK_NAME
 from egressbox.core.policy import Mode, Policy, TlsNameCheck
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.relay import Tunnel
@@ -169,8 +170,21 @@ def _host_mismatch(policy: Policy, admitted: Decision, head: bytes) -> str | Non
         target = parse_target(admitted.host, admitted.port)
     except (HostError, UnicodeDecodeError):
         return "the Host header is not a valid host"
+    if _same_host(admitted, named, target):
+        return None
     why = _other_name(policy, named, target, False)
     return why.replace("the ClientHello names", "the Host header names") if why else None
+
+
+def _same_host(admitted: Decision, named: Target, target: Target) -> bool:
+    """A Host that spells the decided host another way names no other host: an IP literal
+    among the addresses the connection was checked and dialled to, or `localhost` for a
+    decided loopback address (the child's /etc/hosts maps it there: confine/plan.py
+    CAPTURE_HOSTS). A name that is neither is judged by the policy (_other_name)."""
+    if named.host.ip is not None:
+        return named.host.ip in admitted.addresses
+    ip = target.host.ip
+    return ip is not None and ip in LOOPBACK_ADDRESSES and named.host.text == LOOPBACK_NAME
 
 
 class Owner(Protocol):
