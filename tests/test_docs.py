@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tests.unprivileged import BASE_DIR
+
+from unprivileged import BASE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

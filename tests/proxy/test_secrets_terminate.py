@@ -184,7 +184,7 @@ class Proxy:
                 "--cacert",
                 str(self.ca),
                 "-x",
-                self.proxy.http_url,
+                _http_url(self.proxy),
                 *options,
                 url,
             ],
@@ -215,6 +215,13 @@ def proxies(world: World) -> Iterator[list[Proxy]]:
         assert TOKEN not in repr(proxy.proxy.broker)
 
 
+def _http_url(proxy: EgressProxy) -> str:
+    """The proxy's HTTP URL (it listens on HTTP in every test here)."""
+    url = proxy.http_url
+    assert url is not None
+    return url
+
+
 def _start(
     world: World, proxies: list[Proxy], *, terminate_other: bool = False, **rule: Any
 ) -> Proxy:
@@ -236,12 +243,12 @@ def test_curl_requests_httpx_reach_the_origin_with_the_real_token(
         "200",
         "",
     )
-    via = {"https": proxy.proxy.http_url}
+    via = {"https": _http_url(proxy.proxy)}
     got = requests.get(
         f"{url}/requests?key={proxy.placeholder}", proxies=via, verify=str(proxy.ca), timeout=20
     )
     assert got.status_code == 200
-    with httpx.Client(proxy=proxy.proxy.http_url, verify=str(proxy.ca), timeout=20) as client:
+    with httpx.Client(proxy=_http_url(proxy.proxy), verify=str(proxy.ca), timeout=20) as client:
         assert client.post(f"{url}/httpx", content=b"x" * 1000).status_code == 200
     assert [p.split("?")[0] for p in world.bound.authorized()] == [
         "/curl-added",
@@ -328,7 +335,7 @@ def test_unbound_hosts_stay_untouched_tunnels(world: World, proxies: list[Proxy]
             "--cacert",
             str(world.origin_ca),
             "-x",
-            proxy.proxy.http_url,
+            _http_url(proxy.proxy),
             f"https://127.0.0.1:{world.other.port}/t",
         ],
         capture_output=True,
