@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from egressbox.cli import build_parser
-from egressbox.core import limits, policy
+from egressbox.core import limits, policy, secrets
 from egressbox.core.errors import Reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,12 +105,15 @@ POLICY_TABLES = {
     "process": policy.PROCESS_KEYS,
     "filesystem": policy.FILESYSTEM_KEYS,
     "env": policy.ENV_KEYS,
+    "secret": secrets.SECRET_KEYS,
+    "request_rule": secrets.REQUEST_RULE_KEYS,
+    "tls": secrets.TLS_KEYS,
 }
 
 
 def test_the_policy_tables_are_the_loaders() -> None:
     example = _page("policy.md").split("```toml", 1)[1].split("```", 1)[0]
-    tables = re.findall(r"^\[([a-z]+)\]", example, re.M)
+    tables = re.findall(r"^\[\[?([a-z_]+)\]\]?", example, re.M)
     assert set(tables) == set(policy.TOP_KEYS)
 
 
