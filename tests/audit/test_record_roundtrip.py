@@ -344,18 +344,21 @@ async def test_report_suggest_enforce_round_trip(dns_server: DnsServer, tmp_path
         enforced = load_policy(str(suggested), env={})
         assert enforced.mode is Mode.ENFORCE
         assert sorted(rule.text for rule in enforced.allow.rules) == sorted(
-            [f"*.svc.test:{origin.port}", f"api.test:{origin.port}"]
+            [f"*.svc.test:{origin.port}", f"api.test:{origin.port}", f"127.0.0.1:{origin.port}"]
         )
         text = suggested.read_text()
-        # A private address is never admitted by a learned policy: it stays a comment to lift.
-        assert f'# "127.0.0.1:{origin.port}",' in text
+        # A loopback destination the program used is admitted (the base policy's allow_cidrs
+        # already lift the ban; otherwise core/local.py adds the one-address grant, said why);
+        # the proxy's own port stays a comment.
+        assert f'    "127.0.0.1:{origin.port}",' in text
+        assert 'allow_cidrs = ["127.0.0.0/8"]' in text
         assert f'# "127.0.0.1:{proxy_port_of(learned_records)}",' in text  # self: commented out
 
         # 3. Enforce: the same client succeeds; new destinations are denied.
         async with EgressProxy(enforced, resolver=resolver, keep_records=True) as proxy:
             again = await run_client(proxy, origin.port)
             # Enforced, the proxy's own port has no allow entry: refused before the loop check.
-            assert again == expected | {"self": "no_allow_rule", LOOPBACK: "no_allow_rule"}
+            assert again == expected | {"self": "no_allow_rule", LOOPBACK: OK}
             assert await visit(proxy, AuditProtocol.CONNECT, "other.test", origin.port) == (
                 "no_allow_rule"
             )
@@ -366,9 +369,9 @@ async def test_report_suggest_enforce_round_trip(dns_server: DnsServer, tmp_path
             decisions = Counter((r.decision, r.reason) for r in proxy.records)
         assert decisions == Counter(
             {
-                (Verdict.ALLOW, Reason.ALLOWED): 5,
+                (Verdict.ALLOW, Reason.ALLOWED): 6,
                 (Verdict.DENY, Reason.DENY_RULE): 1,
-                (Verdict.DENY, Reason.NO_ALLOW_RULE): 4,
+                (Verdict.DENY, Reason.NO_ALLOW_RULE): 3,
             }
         )
     finally:

@@ -754,17 +754,19 @@ def test_suggest_policy_to_a_file_passes_check(tmp_path: Path) -> None:
     code, out, err = run_cli(["--suggest-policy", str(path), "--output", str(target)])
     assert (code, out) == (0, "")
     assert err == (
-        f"egressbox: wrote a policy admitting 2 destinations to {target} (2 commented out); "
+        f"egressbox: wrote a policy admitting 3 destinations to {target} (1 commented out); "
         f"check it with egressbox check {target}\n"
     )
     policy = load_policy(str(target), env={})
     assert sorted(rule.text for rule in policy.allow.rules) == [
+        "10.0.0.1:5432",
         "cdn.example.com:80",
         "pypi.org:443",
     ]
     text = target.read_text()
     assert f"# Sources: {path}" in text
-    assert '    # "10.0.0.1:5432",  # denied in the log: private_address' in text
+    # A private destination refused only for its range gets the one-address grant it needs.
+    assert '"10.0.0.1/32"' in text
     assert '    # "evil.test:443",  # denied in the log: no_allow_rule' in text
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("policy")] == ["policy.toml"]
 
@@ -787,7 +789,8 @@ def test_suggest_policy_honours_filters_and_base(tmp_path: Path) -> None:
     )
     assert code == 0
     policy = load_policy_text(tmp_path, out)
-    assert [rule.text for rule in policy.allow.rules] == ["cdn.example.com:80"]
+    # 10.0.0.1 is in the base's allow_cidrs: admitted with no grant of its own.
+    assert [rule.text for rule in policy.allow.rules] == ["cdn.example.com:80", "10.0.0.1:5432"]
     assert [rule.text for rule in policy.deny.rules] == ["*.bad.test"]
     bad = tmp_path / "bad.toml"
     bad.write_text("[egress]\nallow = 3\n")
