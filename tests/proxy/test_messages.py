@@ -97,7 +97,8 @@ def test_a_lookup_inside_run_says_the_proxy_resolves(workspace: Path) -> None:
 def test_a_file_left_in_the_private_tmp_is_announced(workspace: Path) -> None:
     done = egressbox("run", "--", "touch", "/tmp/egressbox-left-here", cwd=workspace)
     assert done.returncode == 0, done.stderr
-    assert "left files in its private /tmp, which end with the run" in done.stderr
+    note = "left /tmp/egressbox-left-here on its private /tmp: not kept"
+    assert note in done.stderr, done.stderr
     quiet = egressbox("run", "--", "true", cwd=workspace)
     assert "private /tmp" not in quiet.stderr, quiet.stderr
 

@@ -530,10 +530,13 @@ def _note_private_tmp(skeleton: dict[str, set[str]]) -> None:
     """Name what the command wrote on its private file systems, whatever the depth: it ends
     with the run and never reaches the host, and a user who wrote there expected to find it."""
     made: list[str] = []
+    tops: list[str] = []
     for top, names in _private_tmp().items():
         new = names - skeleton.get(top, set())
         # The topmost new entries: a new directory stands for what is inside it.
-        made += sorted(p for p in new if os.path.dirname(p) not in new)
+        topmost = sorted(p for p in new if os.path.dirname(p) not in new)
+        made += topmost
+        tops += [top] if topmost else []
     if not made:
         return
     shown = ", ".join(made[:PRIVATE_NOTE_PATHS])
@@ -542,10 +545,10 @@ def _note_private_tmp(skeleton: dict[str, set[str]]) -> None:
     with contextlib.suppress(OSError):
         os.write(
             2,
-            f"egressbox: note: the command wrote {shown} on its private "
-            f"{', '.join(PRIVATE_DIRS)}, outside the roots: not kept (they end with the run "
-            "and never reach the host); $TMPDIR (the workspace's .egressbox/tmp) keeps files, "
-            "or grant the directory with --write-root\n".encode(),
+            f"egressbox: note: the command left {shown} on its private {', '.join(tops)}: "
+            "not kept (what is written there ends with the run and never reaches the host); "
+            "$TMPDIR (the workspace's .egressbox/tmp) keeps files, or grant the directory "
+            "with --write-root\n".encode(),
         )
 
 
