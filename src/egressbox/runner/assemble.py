@@ -354,6 +354,10 @@ def _brokering(options: RunOptions, mounts: bool, warnings: list[str]) -> RunBro
     """The run's placeholders and CA when its policy terminates a host: the child gets the
     placeholders in the [[secret]] variables' place (the real ones held back even when
     granted) and trusts the CA through its view (_launch_plan)."""
+    if not options.terminate and not options.secret_names:
+        # Most runs: nothing to broker, and the brokering modules (cryptography, which runs
+        # inspect through its dataclasses, ssl, the proxy's broker) stay unloaded before the fork.
+        return None
     from egressbox.runner.brokering import for_run
 
     brokering = for_run(options.secret_names, options.terminate, options.secret_env)
