@@ -123,4 +123,8 @@ def test_a_fallback_refusal_says_the_selector_made_it(tmp_path: Path, ws: Path) 
     refusals = info.value.refusals
     assert refusals and all(r.requirement == "fallback" and r.selector_honored for r in refusals)
     assert all(r.profile is Profile.WORKTREE for r in refusals)
-    assert "EGRESSBOX_SANDBOX=enforce makes a missing mechanism a refusal" in info.value.messages[0]
+    # The fact (the selector made it a refusal) is in the message; the way out is the remedy's.
+    facts, remedy = info.value.messages[0], info.value.messages[1]
+    assert "EGRESSBOX_SANDBOX=enforce made the missing mechanism a refusal" in facts
+    assert "EGRESSBOX_SANDBOX=warn" in remedy and "EGRESSBOX_SANDBOX=warn" not in facts
+    assert remedy == refusals[0].fields()["remedy"]
