@@ -357,11 +357,16 @@ def test_report_lists_every_mechanism(box: Box) -> None:
         match = REPORT_LINE.match(line)
         if match:
             rows[match[1]] = match[2]
-    expected = {m.value for m in Mechanism} | {"network_boundary", "capture", "workspace"}
+    # Each mechanism, then what they add up to: the network boundary, the file system (a
+    # constructed root with Landlock as a second wall), capture and the staged workspace.
+    outcomes = {"network_boundary", "filesystem", "capture", "workspace"}
+    expected = {m.value for m in Mechanism} | outcomes
     # memory is full only under a cgroup of the run's own (confine/cgroup.py), partial without.
     assert set(rows) == expected | {"memory"}, _explain(done)
     assert {rows[name] for name in expected} == {"full"}, rows
     assert rows["memory"] in {"full", "partial"}, rows
+    # The profile the command ran under is said once, apart from the rows.
+    assert _text(done.stderr).count("egressbox: profile: worktree (") == 1, _explain(done)
     quiet = box.egressbox("--", "/bin/sh", "-c", "exit 0")
     assert b"enforcement:" not in quiet.stderr, _explain(quiet)
 
@@ -595,6 +600,10 @@ def test_a_process_write_root_is_writable_and_gets_no_tmpdir(box: Box) -> None:
         scratch = str(box.workspace / ".egressbox")
         for name in ("TMPDIR", "TMP", "TEMP"):
             assert seen["env"][name].startswith(scratch), seen["env"]
+        # EGRESSBOX_ROOTS lists every grant for a run nested in this one (runner/assemble.py
+        # roots_variable); no other variable points the tool at the root.
+        nested = json.loads(seen["env"].pop("EGRESSBOX_ROOTS"))
+        assert str(cache) in nested["write"], nested
         assert not any(str(cache) in value for value in seen["env"].values()), seen["env"]
         assert sorted(p.name for p in cache.iterdir()) == ["state.txt"]
         assert f"egressbox: root: process_write: {cache} (".encode() in done.stderr, _explain(done)
