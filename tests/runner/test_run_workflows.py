@@ -547,12 +547,21 @@ def test_a_command_killed_by_sigsys_is_a_seccomp_refusal(dev: Dev) -> None:
 
 def test_the_childs_messages_are_english_unless_the_caller_chose_a_locale(dev: Dev) -> None:
     root = dev.project("app", marker="")
-    show = ["--", "sh", "-c", 'echo "msg=$LC_MESSAGES all=$LC_ALL"; exit 3']
-    done = dev.egressbox(root, *show)
+    # A failure that says something egressbox cannot read (no English error text in it).
+    said = 'echo "msg=$LC_MESSAGES all=$LC_ALL"; echo "Zugriff verweigert" >&2; exit 3'
+    done = dev.egressbox(root, "--", "sh", "-c", said)
     assert done.stdout.strip() == "msg=C all=", _explain(done)
-    done = dev.egressbox(root, *show, env=dev.env(LC_ALL=FOREIGN))
+    assert "messages are in" not in done.stderr, _explain(done)
+    done = dev.egressbox(root, "--", "sh", "-c", said, env=dev.env(LC_ALL=FOREIGN))
     assert done.stdout.strip() == f"msg= all={FOREIGN}", _explain(done)
     assert f"the command's messages are in {FOREIGN}" in done.stderr, _explain(done)
+    # The way to English messages it names works whichever variable chose the locale.
+    assert "with LC_MESSAGES=C and no LC_ALL" in done.stderr, _explain(done)
+    # A failure that says nothing: no text egressbox failed to read, so no line about one
+    # (refusals only with evidence: the exit status says the rest).
+    silent = dev.egressbox(root, "--", "sh", "-c", "exit 3", env=dev.env(LC_ALL=FOREIGN))
+    assert silent.returncode == 3, _explain(silent)
+    assert "messages are in" not in silent.stderr, _explain(silent)
 
 
 # -- widening is said, and what is said is true -------------------------------------------------

@@ -585,8 +585,8 @@ def _refusal(
         # Something was said, in words egressbox cannot read: say that, not a boundary.
         hint = (
             f"the command's messages are in {prepared.foreign_locale} (LC_ALL/LC_MESSAGES), and "
-            "egressbox reads only English error texts: set LC_MESSAGES=C for it to name a "
-            "boundary if one refused it"
+            "egressbox reads only English error texts: with LC_MESSAGES=C and no LC_ALL (which "
+            "overrides it), it names a boundary if one refused the command"
         )
         record = RefusalRecord(Boundary.UNKNOWN, hint=hint)
     return with_requirement(record, prepared.profile.value) if record is not None else None
