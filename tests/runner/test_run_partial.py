@@ -1,11 +1,15 @@
-"""`run` without namespaces (an unprivileged user on a host without user
-namespaces): Landlock TCP ports and seccomp still hold the child to the
-proxy's port numbers, and the report says `partial` for the network."""
+"""`run` without namespaces (an unprivileged user on a host without user namespaces). With
+the connect supervisor (runner/notify.py) every connect of the command reaches the proxy:
+its own port, or the capture listener, where the proxy decides the destination. Without the
+supervisor (an older kernel, a filter above us refusing pidfd_getfd) Landlock TCP ports and
+seccomp still hold the child to the proxy's port numbers, and the report says `partial` for
+the network. Either way it is judged at the listeners."""
 
 from __future__ import annotations
 
-import http.server
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -14,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from egressbox.confine import notify
 from egressbox.confine.plan import Enforcement, HostFacts, Profile
 from egressbox.core.policy import parse_policy
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.facts import host_facts
-from egressbox.runner.options import RunOptions
+from egressbox.runner.options import RunOptions, RunResult
 
 NO_NAMESPACES = {
     "network_namespace": "cannot_attach",
@@ -26,27 +31,73 @@ NO_NAMESPACES = {
     "pid_namespace": "cannot_attach",
     "user_namespace": "cannot_attach",
 }
+LISTENER_TIMEOUT = 5.0  # seconds a listener waits for a request's first bytes
+
+
+class _Listener:
+    """An HTTP listener on 127.0.0.1 that records the first bytes of every connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.sock.getsockname()[1]
+        self.accepted: list[bytes] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(LISTENER_TIMEOUT)
+                try:
+                    self.accepted.append(conn.recv(1000))
+                    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 6\r\n\r\norigin")
+                except OSError:
+                    self.accepted.append(b"")
+
+    def paths(self) -> list[str]:
+        return sorted(line.split(b" ")[1].decode() for line in self.accepted if line)
+
+    def close(self) -> None:
+        # shutdown wakes the blocked accept(); close alone does not on Linux.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(timeout=LISTENER_TIMEOUT)
 
 
 @pytest.fixture
-def origin() -> Iterator[int]:
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, format: str, *args: object) -> None:
-            del format, args
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+def listeners() -> Iterator[tuple[_Listener, _Listener]]:
+    """The origin the policy admits, and another listener it does not."""
+    origin, other = _Listener(), _Listener()
     try:
-        yield server.server_address[1]
+        yield origin, other
     finally:
-        server.shutdown()
-        server.server_close()
+        origin.close()
+        other.close()
 
 
-def test_without_namespaces_the_proxy_ports_are_all_the_child_reaches(
-    origin: int, tmp_path: Path
-) -> None:
+# The command: one request through HTTP_PROXY, then the attack: a direct connect to each
+# listener, with a request, as a proxy-unaware tool makes it.
+PROBE = """
+import socket, sys, urllib.request
+origin, other = int(sys.argv[1]), int(sys.argv[2])
+print("proxy", urllib.request.urlopen(f"http://localhost:{origin}/via-proxy", timeout=10).status)
+for label, port in (("origin", origin), ("other", other)):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(f"GET /direct-{label} HTTP/1.0\\r\\n\\r\\n".encode())
+            s.settimeout(5)
+            print(label, "answered", repr(s.recv(100)[-6:]))
+    except OSError as exc:
+        print(label, "refused", exc.errno)
+"""
+
+
+def _run_probe(tmp_path: Path, origin: int, other: int, profile: Profile) -> RunResult:
     real = host_facts()
     if not {"landlock", "seccomp"} <= real.available or real.landlock_abi < 4:
         pytest.skip("needs Landlock ABI >= 4 and seccomp: " + str(dict(real.status)))
@@ -54,46 +105,96 @@ def test_without_namespaces_the_proxy_ports_are_all_the_child_reaches(
     policy = parse_policy(
         {"egress": {"allow": [f"localhost:{origin}"], "allow_cidrs": ["127.0.0.1/32"]}}, env={}
     )
-    probe = (
-        "import os, socket, urllib.request\n"
-        f"print(urllib.request.urlopen('http://localhost:{origin}/', timeout=10).status)\n"
-        "try:\n"
-        f"    socket.create_connection(('127.0.0.1', {origin}), timeout=5)\n"
-        "    print('direct reached')\n"
-        "except OSError as exc:\n"
-        "    print('direct refused', exc.errno)\n"
-    )
     script = tmp_path / "probe.py"
-    script.write_text(probe)
+    script.write_text(PROBE)
     options = RunOptions(
-        argv=(sys.executable, str(script)),
+        argv=(sys.executable, str(script), str(origin), str(other)),
         policy=policy,
-        profile=Profile.WORKTREE,
+        profile=profile,
         write_roots=(str(tmp_path),),
         cwd=str(tmp_path),
     )
     # The probe's output goes to our stdout: capture it through a pipe.
     result = run_options_sync(options, facts=facts, capture_output=True)
     assert result.exit_code == 0, result.stderr
-    lines = (result.stdout or b"").decode().split()
-    assert lines[0] == "200"
-    assert lines[1:3] == ["direct", "refused"]
+    return result
+
+
+def _said(result: RunResult) -> dict[str, str]:
+    lines = (result.stdout or b"").decode().splitlines()
+    return dict(line.split(" ", 1) for line in lines)
+
+
+@pytest.mark.parametrize("profile", [Profile.WORKTREE, Profile.UNRESTRICTED])
+def test_without_namespaces_every_connect_of_the_child_reaches_only_the_proxy(
+    listeners: tuple[_Listener, _Listener], tmp_path: Path, profile: Profile
+) -> None:
+    why = notify.support()
+    if why:
+        pytest.skip(f"no connect supervisor here: {why}")
+    origin, other = listeners
+    result = _run_probe(tmp_path, origin.port, other.port, profile)
+    said = _said(result)
+    assert said["proxy"] == "200", said
+    # The direct connects complete (to the capture listener, as with a namespace): the proxy
+    # forwards the admitted one, audited as tcp, and closes the other.
+    assert said["origin"] == "answered b'origin'", said
+    assert said["other"] == "answered b''", said
+    # Judged at the listeners: nothing reached the other; the origin only what the proxy let by.
+    assert other.accepted == [], other.accepted
+    assert origin.paths() == ["/direct-origin", "/via-proxy"], origin.accepted
+    decided = sorted((r.host, r.port, r.protocol, r.decision.value) for r in result.records)
+    assert decided == sorted(
+        [
+            ("localhost", origin.port, "http", "allow"),
+            ("localhost", origin.port, "tcp", "allow"),
+            ("127.0.0.1", other.port, "tcp", "deny"),
+        ]
+    ), result.records
     network = next(r for r in result.report if r.mechanism == "network_boundary")
-    assert network.enforcement is Enforcement.PARTIAL
+    assert network.enforcement is Enforcement.FULL, network
+    assert "connect supervisor" in network.detail, network
+
+
+def test_without_namespaces_or_supervisor_the_proxy_ports_are_all_the_child_reaches(
+    listeners: tuple[_Listener, _Listener], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a host without seccomp user notification or pidfd_getfd gets: Landlock's ports.
+    monkeypatch.setattr(notify, "support", lambda: "pidfd_getfd(2) fails: (for this test)")
+    origin, other = listeners
+    result = _run_probe(tmp_path, origin.port, other.port, Profile.WORKTREE)
+    said = _said(result)
+    assert said["proxy"] == "200", said
+    assert said["origin"].startswith("refused") and said["other"].startswith("refused"), said
+    assert other.accepted == [], other.accepted
+    assert origin.paths() == ["/via-proxy"], origin.accepted
     assert [(r.host, r.port, r.decision.value) for r in result.records] == [
-        ("localhost", origin, "allow")
+        ("localhost", origin.port, "allow")
     ]
-    # The same probe unconfined reaches the origin directly.
+    network = next(r for r in result.report if r.mechanism == "network_boundary")
+    assert network.enforcement is Enforcement.PARTIAL, network
+    assert "no connect supervisor: pidfd_getfd(2) fails" in network.detail, network
+
+
+def test_the_probe_unconfined_reaches_both_listeners(
+    listeners: tuple[_Listener, _Listener], tmp_path: Path
+) -> None:
+    # The attack is real: without egressbox the same direct connects reach both listeners.
+    origin, other = listeners
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE.replace('print("proxy"', '0 and print("proxy"'))
     clean = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     plain = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), str(origin.port), str(other.port)],
         capture_output=True,
         text=True,
         check=True,
         timeout=30,
         env=clean,
     )
-    assert "direct reached" in plain.stdout
+    assert "origin answered b'origin'" in plain.stdout, plain.stdout
+    assert "other answered b'origin'" in plain.stdout, plain.stdout
+    assert origin.paths() == ["/direct-origin"] and other.paths() == ["/direct-other"]
 
 
 def test_without_a_mount_namespace_landlock_alone_keeps_the_deny_list_and_read_only_roots(
