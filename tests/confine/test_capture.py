@@ -27,7 +27,7 @@ from egressbox.confine.plan import (
     WorldSpec,
 )
 from egressbox.confine.probe import probe_host
-from egressbox.net.original import original_destination
+from egressbox.core.original import original_destination
 from egressbox.runner.assemble import prepare
 from egressbox.runner.options import options_for
 from forking import fork_call

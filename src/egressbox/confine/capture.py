@@ -45,11 +45,6 @@ LIBRARY = "libnftables.so.1"
 # The Debian package that holds LIBRARY (named in what doctor and --report say).
 PACKAGE = "libnftables1"
 
-# getsockopt on an accepted socket: where the connection was going before the redirect
-# (<linux/netfilter_ipv4.h> SO_ORIGINAL_DST, <linux/netfilter_ipv6/ip6_tables.h>).
-SO_ORIGINAL_DST = 80
-IP6T_SO_ORIGINAL_DST = 80
-
 # rtnetlink (<linux/netlink.h>, <linux/rtnetlink.h>).
 NETLINK_ROUTE = 0
 RTM_NEWROUTE = 24
@@ -359,7 +354,7 @@ def self_test() -> str:
     process that changed its uid without exec may not write its own maps).
     """
     from egressbox.confine import netns
-    from egressbox.net.original import original_destination
+    from egressbox.core.original import original_destination
 
     libc = ctypes.CDLL(None, use_errno=True)
     user = os.geteuid() != 0
