@@ -393,13 +393,9 @@ DEFAULT_PRESETS = ("system_runtime", "developer_toolchains", "package_manager_co
 # read-only for the child (a hook runs at the user's next commit, core.fsmonitor and
 # core.sshCommand at the next git command, a shell rc at the next login, .envrc at the next
 # cd, editor task files when the project is opened).
-HOST_TRUSTED = (
-    ".git/hooks",
-    ".git/config",
-    ".envrc",
-    ".vscode",
-    ".idea",
-    "egressbox.toml",
+# Shell start-up files: a login or a new shell runs them (the staged workspace's gate holds
+# them back at any depth too: confine/staging.py).
+SHELL_STARTUP = (
     ".bashrc",
     ".bash_profile",
     ".bash_login",
@@ -409,7 +405,29 @@ HOST_TRUSTED = (
     ".zshenv",
     ".zprofile",
     ".zlogin",
+)
+HOST_TRUSTED = (
+    ".git/hooks",
+    ".git/config",
+    ".envrc",
+    ".vscode",
+    ".idea",
+    "egressbox.toml",
+    *SHELL_STARTUP,
     ".config/fish",
+)
+# Every mechanism the host probe (confine/probe.py) probes, in its report's order; the
+# probe cache (runner/facts.py) keeps the same names.
+PROBED_MECHANISMS = (
+    "landlock",
+    "seccomp",
+    "no_new_privs",
+    "user_namespace",
+    "network_namespace",
+    "mount_namespace",
+    "pid_namespace",
+    "close_range",
+    "capture",
 )
 
 

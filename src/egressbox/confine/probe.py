@@ -26,6 +26,7 @@ from typing import Any
 
 from egressbox.confine import capture, landlock
 from egressbox.confine.blockers import DEFAULT_ENTRY_POINT, Blocker, NamespaceFacts, blocker
+from egressbox.confine.plan import PROBED_MECHANISMS
 
 # Namespace flags for unshare(2) (<sched.h>); Python 3.11 has no os.unshare.
 CLONE_NEWNS = 0x00020000
@@ -147,18 +148,8 @@ class _Outcome:
     text: str = ""
 
 
-# Every mechanism, in HostSupport's order (runner/facts.py keeps the same names).
-MECHANISMS = (
-    "landlock",
-    "seccomp",
-    "no_new_privs",
-    "user_namespace",
-    "network_namespace",
-    "mount_namespace",
-    "pid_namespace",
-    "close_range",
-    "capture",
-)
+# Every mechanism, in HostSupport's order.
+MECHANISMS = PROBED_MECHANISMS
 
 
 def _probes() -> dict[str, Callable[[], Mechanism]]:

@@ -34,6 +34,8 @@ import stat
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from egressbox.confine.plan import SHELL_STARTUP
+
 # -- openat2 ---------------------------------------------------------------------------------
 
 SYS_OPENAT2 = 437  # x86-64 and aarch64 (asm-generic) alike
@@ -97,19 +99,6 @@ class StagingSpec(NamedTuple):
 
 # -- what is held back (pure) ----------------------------------------------------------------
 
-SHELL_STARTUP = frozenset(
-    {
-        ".bashrc",
-        ".bash_profile",
-        ".bash_login",
-        ".bash_logout",
-        ".profile",
-        ".zshrc",
-        ".zshenv",
-        ".zprofile",
-        ".zlogin",
-    }
-)
 # Names held back at any depth, with the reason code said and recorded for each.
 HELD_NAMES: dict[str, str] = {
     **dict.fromkeys(SHELL_STARTUP, "shell_startup"),

@@ -19,25 +19,13 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from egressbox.confine.plan import (
-    HostFacts,
-)
+from egressbox.confine.plan import PROBED_MECHANISMS, HostFacts
 
 if TYPE_CHECKING:
     from egressbox.confine.probe import HostSupport, Mechanism
 
-# Every mechanism confine/probe.py probes (probe.MECHANISMS; a test holds them equal).
-MECHANISMS = (
-    "landlock",
-    "seccomp",
-    "no_new_privs",
-    "user_namespace",
-    "network_namespace",
-    "mount_namespace",
-    "pid_namespace",
-    "close_range",
-    "capture",
-)
+# Every mechanism confine/probe.py probes (read here without loading the probe).
+MECHANISMS = PROBED_MECHANISMS
 LANDLOCK = "landlock"
 # The highest Landlock ABI a planned mechanism needs (confine/plan.py _MIN_ABI: the scopes of
 # ABI 6); a cached ABI below it is asked again.
