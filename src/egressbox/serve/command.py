@@ -375,6 +375,30 @@ async def _started_proxy(
     return proxy
 
 
+async def _serving_proxy(  # noqa: PLR0917 (what _started_proxy takes, and the process)
+    options: ServeOptions,
+    policy: Policy,
+    servers: list[tuple[str, int]],
+    audit: AuditSink | None,
+    process: ServingProcess,
+    sockets: dict[str, socket.socket] | None,
+) -> EgressProxy | None:
+    """The proxy started, then this process's admin listener (one serve or a worker); None
+    when either cannot start (said on stderr; the proxy is closed again)."""
+    proxy = await _started_proxy(
+        options, policy, servers, audit, sockets=sockets, meter=process.metrics
+    )
+    if proxy is None:
+        return None
+    try:
+        await process.start(proxy)
+    except OSError as exc:
+        await proxy.close(0)
+        _fail(f"cannot start the admin listener: {exc}", EXIT_START)
+        return None
+    return proxy
+
+
 async def _serve(
     options: ServeOptions,
     policy: Policy,
@@ -385,16 +409,9 @@ async def _serve(
     process = ServingProcess(prepared, admin_socket=prepared.admin_socket)
     # Sockets systemd passed replace the flags' listeners (a kind it passed none of is off).
     inherited = prepared.inherited or None
-    proxy = await _started_proxy(
-        options, policy, servers, audit, sockets=inherited, meter=process.metrics
-    )
+    proxy = await _serving_proxy(options, policy, servers, audit, process, inherited)
     if proxy is None:
         return EXIT_START
-    try:
-        await process.start(proxy)
-    except OSError as exc:
-        await proxy.close(0)
-        return _fail(f"cannot start the admin listener: {exc}", EXIT_START)
     # Signal handlers before the ready line: a supervisor may send SIGHUP or
     # SIGTERM as soon as it reads the line, and SIGHUP's default action kills.
     _install_signals(proxy, options, process, audit)
@@ -547,16 +564,9 @@ async def _serve_worker(
         channel=sockets.pop("metrics", None),
         admin_socket=sockets.pop("admin", None),
     )
-    proxy = await _started_proxy(
-        options, policy, servers, audit, sockets=sockets, meter=serving.metrics
-    )
+    proxy = await _serving_proxy(options, policy, servers, audit, serving, sockets)
     if proxy is None:
         return EXIT_START
-    try:
-        await serving.start(proxy)
-    except OSError as exc:
-        await proxy.close(0)
-        return _fail(f"cannot start the admin listener: {exc}", EXIT_START)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, serving.on_stop_signal)
     loop.add_signal_handler(signal.SIGTERM, serving.on_stop_signal)
