@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tls_hellos import lenient_variants, real_hello  # noqa: E402
+from tls_hellos import lenient_variants, openssl_flight, real_hello  # noqa: E402
 
 CORPUS = ROOT / "fuzz" / "corpus" / "fuzz_tls"
 # Hand-built starts the variants do not cover: an SSL 2.0 compatible ClientHello (OpenSSL
@@ -53,41 +52,12 @@ def go_flight(name: str) -> bytes | None:
     return bytes.fromhex(done.stdout.strip())
 
 
-def openssl_flight(name: str) -> bytes | None:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        return None
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.settimeout(TIMEOUT)
-        port = listener.getsockname()[1]
-        client = subprocess.Popen(
-            [openssl, "s_client", "-connect", f"127.0.0.1:{port}", "-servername", name],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            conn, _ = listener.accept()
-            with conn:
-                conn.settimeout(TIMEOUT)
-                data = b""
-                while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5], "big"):
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return None
-                    data += chunk
-                return data
-        finally:
-            client.kill()
-            client.wait()
-
-
 def main() -> int:
     flights = {
         "python_tls13": real_hello("python.example"),
         "python_tls12": real_hello("python12.example", maximum=ssl.TLSVersion.TLSv1_2),
         "go": go_flight("go.example"),
-        "openssl": openssl_flight("openssl.example"),
+        "openssl": openssl_flight("openssl.example", TIMEOUT),
     }
     CORPUS.mkdir(parents=True, exist_ok=True)
     for name, data in HAND_BUILT.items():

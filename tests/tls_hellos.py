@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import shutil
+import socket
 import ssl
 import struct
+import subprocess
 from collections.abc import Iterable, Sequence
 
 HANDSHAKE = 22
@@ -176,3 +179,34 @@ def lenient_variants(flight: bytes) -> dict[str, bytes]:
         + warning
         + records(message[half:], [], b"\x0f\x03"),
     }
+
+
+def openssl_flight(name: str, timeout: float) -> bytes | None:
+    """The first flight of `openssl s_client` naming `name` (a loopback listener takes it),
+    or None without openssl or when it sends nothing within `timeout` seconds."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return None
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(timeout)
+        port = listener.getsockname()[1]
+        client = subprocess.Popen(
+            [openssl, "s_client", "-connect", f"127.0.0.1:{port}", "-servername", name],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(timeout)
+                data = b""
+                while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5], "big"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return None
+                    data += chunk
+            return data
+        finally:
+            client.kill()
+            client.wait()

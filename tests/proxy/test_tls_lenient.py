@@ -48,7 +48,13 @@ from egressbox.protocols.tls import (
     starts_tls_record,
 )
 from proxy_fixtures import IO_TIMEOUT, Wire
-from tls_hellos import go_record_layer, handshake_message, lenient_variants, real_hello
+from tls_hellos import (
+    go_record_layer,
+    handshake_message,
+    lenient_variants,
+    openssl_flight,
+    real_hello,
+)
 from tls_variant_client import Outcome, handshake
 from unprivileged import invoking_actor
 
@@ -365,36 +371,6 @@ def test_each_variant_over_a_captured_connection(capture_box: Path, go_origin: G
 # -- agreement with the real Go -----------------------------------------------------------------
 
 
-def openssl_flight(name: str) -> bytes | None:
-    """The first flight of `openssl s_client` (a loopback listener takes it), or None."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        return None
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        listener.settimeout(IO_TIMEOUT)
-        port = listener.getsockname()[1]
-        client = subprocess.Popen(
-            [openssl, "s_client", "-connect", f"127.0.0.1:{port}", "-servername", name],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            conn, _ = listener.accept()
-            with conn:
-                conn.settimeout(IO_TIMEOUT)
-                data = b""
-                while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5], "big"):
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return None
-                    data += chunk
-            return data
-        finally:
-            client.kill()
-            client.wait()
-
-
 def go_flight(tlsorigin: Path, name: str) -> bytes:
     done = subprocess.run(
         [str(tlsorigin), "hello", name],
@@ -439,7 +415,7 @@ def test_the_reader_and_the_model_agree_with_go(tlsorigin: Path, tmp_path: Path)
         "python_tls12": real_hello("a.example.org"),
         "go": go_flight(tlsorigin, NAME),
     }
-    openssl = openssl_flight("openssl.example")
+    openssl = openssl_flight("openssl.example", IO_TIMEOUT)
     if openssl is not None:
         flights["openssl"] = openssl
     rng = random.Random(2026)
