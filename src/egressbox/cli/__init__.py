@@ -469,10 +469,10 @@ def _add_run(sub: Subparsers) -> None:
         choices=["staged", "direct"],
         default=None,
         help="staged (default): the command's writes to its write roots land in a layer that "
-        "is applied when it exits, except host-trusted files (git config and hooks, any new "
-        ".git, shell start-up files, .envrc, .vscode, .idea, egressbox's own), which are held "
-        "back and named; direct: it writes the host's files live ([filesystem] "
-        "workspace_mode)",
+        "is applied when it exits, except host-trusted files (git config and hooks, in a new "
+        "repository too, a replaced .git, shell start-up files, .envrc, .vscode, .idea, "
+        "egressbox's own), which are held back and named; direct: it writes the host's "
+        "files live",
     )
     p.add_argument(
         "--review",

@@ -24,7 +24,8 @@ def add_parser(sub: Any) -> None:
         help="list a staged run's changes (added, modified, deleted; held back marked)",
         description="List the staged runs of the current directory's workspace, then the "
         "changes of RUN (default: the latest): added, modified, replaced and deleted paths, "
-        "and those held back (host-trusted: git control files, any new .git, shell start-up "
+        "and those held back (host-trusted: git control files, in a new repository too, a "
+        "replaced .git, shell start-up "
         "files, .envrc, .vscode, .idea, egressbox's own) with the reason. Nothing is changed, "
         "except that an apply interrupted earlier is finished first.",
         epilog=EXAMPLES,

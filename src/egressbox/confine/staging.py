@@ -15,7 +15,8 @@ exited, the unconfined `run` process applies the layer to the host:
   moved as a symlink; setuid and setgid bits and overlayfs's own attributes are stripped;
   fifos, sockets and devices are skipped and named;
 - entries that the host trusts are **held back** (held_reason(), one table with a reason per
-  entry): git's control files and any new ``.git``, shell start-up files, ``.envrc``, editor
+  entry): git's control files (a new repository's too: its data lands), a replaced ``.git``
+  or a new ``.git`` file or link, shell start-up files, ``.envrc``, editor
   task directories, egressbox's own files, and any deletion or replacement of a directory that
   holds such a name. They stay in the layer, are named, and are applied only on request.
 
