@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+import descriptors
 from egressbox.core.policy import Policy, parse_policy
 from egressbox.proxy.server import EgressProxy
 from egressbox.runner.api import ConfinedProcess, run, spawn_confined
@@ -51,10 +52,6 @@ def namespaces() -> None:
 
 
 confined = pytest.mark.usefixtures("namespaces")
-
-
-def _fds() -> list[str]:
-    return sorted(os.listdir("/proc/self/fd"))
 
 
 def _children(pid: int | str = "self") -> set[int]:
@@ -112,7 +109,7 @@ def _where(root: Path) -> dict[str, Any]:
 async def test_cancelling_a_run_kills_and_reaps_it_and_releases_its_descriptors(
     tmp_path: Path, capture_output: bool
 ) -> None:
-    before, known = _fds(), _children()
+    before, known = descriptors.snapshot(), _children()
     command = run(["sleep", "60"], policy=None, capture_output=capture_output, **_where(tmp_path))
     task = asyncio.create_task(command)
     launcher = await _new_child(known)
@@ -127,12 +124,12 @@ async def test_cancelling_a_run_kills_and_reaps_it_and_releases_its_descriptors(
             await task
     assert time.monotonic() - started < PROMPTLY
     _assert_gone(launcher, inside)
-    assert _fds() == before
+    assert not descriptors.opened_since(before)
 
 
 @confined
 async def test_cancelling_wait_cancels_the_run(tmp_path: Path) -> None:
-    before = _fds()
+    before = descriptors.snapshot()
     handle = await spawn_confined(["sleep", "60"], policy=None, **_where(tmp_path))
     waiting = asyncio.create_task(handle.wait())
     await asyncio.sleep(0.2)
@@ -142,12 +139,12 @@ async def test_cancelling_wait_cancels_the_run(tmp_path: Path) -> None:
             await waiting
     _assert_gone(handle.pid, set())
     handle.kill()  # the pid is reaped: nothing is sent to whoever has it now
-    assert _fds() == before
+    assert not descriptors.opened_since(before)
 
 
 @confined
 async def test_a_run_cancelled_before_its_task_ever_ran_is_torn_down(tmp_path: Path) -> None:
-    before = _fds()
+    before = descriptors.snapshot()
     handle = await spawn_confined(
         ["sleep", "60"], policy=None, capture_output=True, **_where(tmp_path)
     )
@@ -155,7 +152,7 @@ async def test_a_run_cancelled_before_its_task_ever_ran_is_torn_down(tmp_path: P
     with pytest.raises(asyncio.CancelledError):
         await _wait_result(handle)
     _assert_gone(handle.pid, set())
-    assert _fds() == before
+    assert not descriptors.opened_since(before)
 
 
 def _leave_running(root: Path, pids: list[int]) -> Callable[[], Coroutine[Any, Any, None]]:
@@ -172,19 +169,19 @@ def _leave_running(root: Path, pids: list[int]) -> Callable[[], Coroutine[Any, A
 
 @confined
 def test_a_run_left_behind_by_asyncio_run_is_killed_when_the_loop_ends(tmp_path: Path) -> None:
-    before = _fds()
+    before = descriptors.snapshot()
     pids: list[int] = []
     # asyncio.run cancels what main() left running before it closes the loop.
     asyncio.run(_leave_running(tmp_path, pids)())
     _assert_gone(pids[0], set())
-    assert _fds() == before
+    assert not descriptors.opened_since(before)
 
 
 @confined
 def test_a_run_whose_loop_is_closed_under_it_is_killed_when_its_task_goes(
     tmp_path: Path,
 ) -> None:
-    before = _fds()
+    before = descriptors.snapshot()
     pids: list[int] = []
     loop = asyncio.new_event_loop()
     loop.run_until_complete(_leave_running(tmp_path, pids)())
@@ -196,7 +193,7 @@ def test_a_run_whose_loop_is_closed_under_it_is_killed_when_its_task_goes(
         gc.collect()
         time.sleep(POLL)
     _assert_gone(pids[0], set())
-    assert _fds() == before
+    assert not descriptors.opened_since(before)
 
 
 # -- set_policy under a running command ------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import descriptors
 from egressbox.audit.record import AuditProtocol
 from egressbox.core.errors import Reason, Verdict
 from egressbox.serve.admin import (
@@ -82,23 +83,6 @@ class RealStatus:
 
 def fd_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def open_descriptors() -> set[tuple[str, str]]:
-    """This process's descriptors, each with what it names (a socket's inode is unique): a
-    leak shows as a pair that was not there before, while a descriptor some earlier test left
-    to the collector may close meanwhile without making the count look like a leak."""
-    found: set[tuple[str, str]] = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            found.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except FileNotFoundError:  # the listing's own descriptor, closed by now
-            continue
-    return found
-
-
-def new_descriptors(before: set[tuple[str, str]]) -> set[tuple[str, str]]:
-    return open_descriptors() - before
 
 
 async def steady_fd_count(pid: int) -> int:
@@ -309,7 +293,7 @@ async def test_sixteen_silent_connections_do_not_starve_a_probe() -> None:
 
 
 async def test_probes_and_scrapes_under_churning_silent_and_dripping_clients() -> None:
-    before = open_descriptors()
+    before = descriptors.snapshot()
     with listening_socket() as sock:
         server = AdminServer(sock, RealStatus())
         await server.start()
@@ -330,11 +314,13 @@ async def test_probes_and_scrapes_under_churning_silent_and_dripping_clients() -
             await attackers.stop()
             await settle(lambda: server.open_connections == 0, ADMIN_HEAD_TIMEOUT + 2)
             await server.close()
-    assert await settle(lambda: not new_descriptors(before), 3.0), new_descriptors(before)
+    assert await settle(lambda: not descriptors.opened_since(before), 3.0), (
+        descriptors.opened_since(before)
+    )
 
 
 async def test_slow_readers_of_metrics_do_not_hold_the_listener() -> None:
-    before = open_descriptors()
+    before = descriptors.snapshot()
     with listening_socket(small_sndbuf=True) as sock:
         server = AdminServer(sock, RealStatus(big=True))
         await server.start()
@@ -354,7 +340,9 @@ async def test_slow_readers_of_metrics_do_not_hold_the_listener() -> None:
             await attackers.stop()
             await settle(lambda: server.open_connections == 0, 2.0)
             await server.close()
-    assert await settle(lambda: not new_descriptors(before), 3.0), new_descriptors(before)
+    assert await settle(lambda: not descriptors.opened_since(before), 3.0), (
+        descriptors.opened_since(before)
+    )
 
 
 async def test_the_oldest_idle_connection_goes_first_then_the_oldest_unread_answer(
