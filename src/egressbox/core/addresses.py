@@ -27,8 +27,7 @@ from typing import Final
 
 from egressbox.core.errors import Reason
 
-# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
-# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+# Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _METADATA_ADDRESS: Final = Reason.METADATA_ADDRESS
 _PRIVATE_ADDRESS: Final = Reason.PRIVATE_ADDRESS
 _SPECIAL_ADDRESS: Final = Reason.SPECIAL_ADDRESS

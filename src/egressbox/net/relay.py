@@ -149,8 +149,7 @@ class CloseReason(StrEnum):
     ABORTED = "aborted"  # Tunnel.abort() or cancellation (server drain)
 
 
-# Members bound once: compiled, each `CloseReason.X` would go through the enum
-# class's attribute lookup (~130 instructions a read, under callgrind).
+# Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _CLOSE_REASON_ABORTED: Final = CloseReason.ABORTED
 _CLOSE_REASON_CLIENT_ERROR: Final = CloseReason.CLIENT_ERROR
 _CLOSE_REASON_CLIENT_RESET: Final = CloseReason.CLIENT_RESET

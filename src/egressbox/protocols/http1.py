@@ -53,9 +53,7 @@ from typing import Final, NamedTuple
 from egressbox.core import hosts, limits
 from egressbox.core.errors import EgressboxError, HostError
 
-# Enum members read in function bodies are bound once as Final names, here and below
-# each enum of this module: compiled, each `Enum.X` read would be a lookup on the enum
-# class (~130 instructions, under callgrind).
+# Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _STATUS_BAD_GATEWAY: Final = HTTPStatus.BAD_GATEWAY
 _STATUS_BAD_REQUEST: Final = HTTPStatus.BAD_REQUEST
 _STATUS_CONTINUE: Final = HTTPStatus.CONTINUE
@@ -205,7 +203,7 @@ class RequestKind(enum.Enum):
     FORWARD = "forward"  # absolute-form http:// or ws:// URL: forward one request
 
 
-# RequestKind's members, bound once (see the note at the top).
+# RequestKind's members, bound once (the rule at the top).
 _REQUEST_KIND_CONNECT: Final = RequestKind.CONNECT
 _REQUEST_KIND_FORWARD: Final = RequestKind.FORWARD
 
@@ -216,7 +214,7 @@ class FramingKind(enum.Enum):
     CHUNKED = "chunked"
 
 
-# FramingKind's members, bound once (see the note at the top).
+# FramingKind's members, bound once (the rule at the top).
 _FRAMING_KIND_CHUNKED: Final = FramingKind.CHUNKED
 _FRAMING_KIND_LENGTH: Final = FramingKind.LENGTH
 _FRAMING_KIND_NONE: Final = FramingKind.NONE
@@ -654,7 +652,7 @@ class _Coding(enum.Enum):
     UNSUPPORTED = "unsupported"  # valid, e.g. `gzip, chunked`, but refused
 
 
-# _Coding's members, bound once (see the note at the top).
+# _Coding's members, bound once (the rule at the top).
 _CODING_CHUNKED: Final = _Coding.CHUNKED
 _CODING_MALFORMED: Final = _Coding.MALFORMED
 _CODING_UNSUPPORTED: Final = _Coding.UNSUPPORTED
@@ -1301,7 +1299,7 @@ class _ChunkState(enum.Enum):
     DONE = "done"
 
 
-# _ChunkState's members, bound once (see the note at the top).
+# _ChunkState's members, bound once (the rule at the top).
 _CHUNK_STATE_DATA: Final = _ChunkState.DATA
 _CHUNK_STATE_DATA_END: Final = _ChunkState.DATA_END
 _CHUNK_STATE_DONE: Final = _ChunkState.DONE
@@ -1542,7 +1540,7 @@ class _UpstreamBody(enum.Enum):
     CLOSE = "close"  # delimited by the upstream closing the connection
 
 
-# _UpstreamBody's members, bound once (see the note at the top).
+# _UpstreamBody's members, bound once (the rule at the top).
 _UPSTREAM_BODY_CHUNKED: Final = _UpstreamBody.CHUNKED
 _UPSTREAM_BODY_CLOSE: Final = _UpstreamBody.CLOSE
 _UPSTREAM_BODY_LENGTH: Final = _UpstreamBody.LENGTH
@@ -1556,7 +1554,7 @@ class _Phase(enum.Enum):
     UPGRADED = "upgraded"  # after a 101: every byte is the new protocol's
 
 
-# _Phase's members, bound once (see the note at the top).
+# _Phase's members, bound once (the rule at the top).
 _PHASE_BODY: Final = _Phase.BODY
 _PHASE_DONE: Final = _Phase.DONE
 _PHASE_HEAD: Final = _Phase.HEAD

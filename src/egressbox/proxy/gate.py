@@ -56,8 +56,7 @@ from egressbox.proxy.approval import (
 )
 from egressbox.proxy.check import Pending, check_now, recheck
 
-# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
-# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+# Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _ALLOWED: Final = Reason.ALLOWED
 _AUDIT_UNAVAILABLE: Final = Reason.AUDIT_UNAVAILABLE
 _DENY: Final = Verdict.DENY

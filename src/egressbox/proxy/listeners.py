@@ -37,8 +37,7 @@ from egressbox.proxy.gate import ProxyState, stderr_log
 from egressbox.proxy.replies import dial_http_status, dial_socks_code, http_status, socks_code
 from egressbox.proxy.tunnel import Connection
 
-# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
-# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+# Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _CONNECT: Final = AuditProtocol.CONNECT
 _DENY: Final = Verdict.DENY
 _HTTP: Final = AuditProtocol.HTTP

@@ -61,8 +61,7 @@ from egressbox.protocols.tls import (
     may_be_tls,
 )
 
-# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
-# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+# Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _DENY: Final = Verdict.DENY
 _ENFORCE: Final = TlsNameCheck.ENFORCE
 _HOST_MISMATCH: Final = Reason.HOST_MISMATCH

@@ -35,8 +35,7 @@ from egressbox.proxy.gate import OpenTarget, ProxyState, _watch_tunnel, gate_aud
 from egressbox.proxy.tls_check import FirstBytes, checks_names
 from egressbox.proxy.upstream import UpstreamDial, dial_through
 
-# Members of enums from interpreted modules, bound once: compiled, each `Verdict.DENY`
-# would be a lookup through EnumType's __getattr__ hook (~600 instructions).
+# Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _AUDIT_UNAVAILABLE: Final = Reason.AUDIT_UNAVAILABLE
 _BAD_PORT: Final = Reason.BAD_PORT
 _CONNECT: Final = AuditProtocol.CONNECT
