@@ -48,6 +48,8 @@ _IN: Final = struct.Struct("!2xH4s8x")  # sockaddr_in after the native-order fam
 _IN6: Final = struct.Struct("!2xHI16sI")  # sockaddr_in6
 _FAMILY: Final = struct.Struct("=H")
 _U32: Final = 0xFFFFFFFF
+# pidfd_open(2)'s flag for a thread's own pidfd (Linux 6.9; the value of O_EXCL).
+PIDFD_THREAD: Final = os.O_EXCL
 LOOPBACK: Final = "127.0.0.1"
 MAPPED_LOOPBACK: Final = "::ffff:127.0.0.1"
 
@@ -125,7 +127,9 @@ class ConnectSupervisor:
         ident, pid, _flags, _nr, _arch, _ip, *args = notify.NOTIF.unpack(buffer)
         err = self._connect(ident, pid, args)
         if err is None:
-            return  # the notification is gone: nobody to answer
+            if not self._valid(ident):
+                return  # the notification is gone: nobody to answer
+            err = errno.EPERM  # never leave a live connect held: it would hang for good
         self.handled += 1
         answer = bytearray(notify.NOTIF_RESP.pack(ident, 0, -err, 0))
         with contextlib.suppress(OSError):  # ENOENT: the task went away meanwhile
@@ -161,7 +165,7 @@ class ConnectSupervisor:
         """Our copy of the command's descriptor; -errno when it has none; None when the
         notification went away."""
         try:
-            pidfd = os.pidfd_open(pid)
+            pidfd = _pidfd_of(pid)
         except OSError:
             return None
         try:
@@ -233,6 +237,33 @@ class ConnectSupervisor:
         if len(path) >= SUN_PATH_MAX:
             return errno.ENAMETOOLONG
         return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + path + b"\0")
+
+
+def _pidfd_of(tid: int) -> int:
+    """A pidfd for the task that asked: the notification names a thread, which need not lead
+    its thread group (a connect from any thread but the first). PIDFD_THREAD (Linux 6.9) opens
+    the thread itself; before it, the group leader's pidfd serves, since threads share their
+    descriptor table. Raises OSError."""
+    try:
+        return os.pidfd_open(tid, PIDFD_THREAD)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    try:
+        return os.pidfd_open(tid)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    return os.pidfd_open(_thread_group(tid))
+
+
+def _thread_group(tid: int) -> int:
+    """The thread group (process) id of a thread, from /proc/TID/status; raises OSError."""
+    with open(f"/proc/{tid}/status", "rb") as status:
+        for line in status:
+            if line.startswith(b"Tgid:"):
+                return int(line.split()[1])
+    raise OSError(errno.ESRCH, f"no Tgid for task {tid}")
 
 
 def _libc_connect(fd: int, address: bytes) -> int:
