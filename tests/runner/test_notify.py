@@ -13,6 +13,8 @@ doctor, run in the same environment, must name what blocks namespaces.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -330,3 +332,77 @@ def test_the_filter_program_is_well_formed() -> None:
     last = [int.from_bytes(code[i + 4 : i + 8], "little") for i in tail]
     assert last == [notify.RET_USER_NOTIF, notify.RET_ALLOW, notify.RET_ERRNO | 1,
                     notify.RET_ERRNO | 38, notify.RET_KILL_PROCESS]  # fmt: skip
+
+
+# Attacks on the supervisor itself: a connect from a thread other than the first (it was
+# held for good), and a unix socket of the host that the command's own view does not have.
+ATTACKS = textwrap.dedent(
+    """
+    import os, socket, sys, threading
+    port = int(os.environ["http_proxy"].rstrip("/").rsplit(":", 1)[1])
+    def from_a_thread():
+        s = socket.socket()
+        s.connect(("127.0.0.1", port))
+        print("THREAD connected", flush=True)
+    t = threading.Thread(target=from_a_thread, daemon=True)
+    t.start()
+    t.join(10)
+    print("THREAD", "held" if t.is_alive() else "done", flush=True)
+    os.mkdir("own")
+    mine = socket.socket(socket.AF_UNIX)
+    mine.bind("own/s.sock")
+    mine.listen()
+    for path in ("own/s.sock", os.path.abspath("own/s.sock")):
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(path)
+        print("OWN", path, "ok" if mine.accept() else "no", flush=True)
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(sys.argv[1])
+        s.sendall(b"escaped")
+        print("HOST connected", flush=True)
+    except OSError as exc:
+        print("HOST", exc.errno, flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare is not installed")
+def test_the_supervisor_serves_threads_and_connects_unix_sockets_in_the_commands_view(
+    tmp_path: Path,
+) -> None:
+    """max_net_namespaces = 0 in a user namespace of its own: the command gets its constructed
+    root (a mount namespace) but no network namespace, so the supervisor holds its connects.
+    A host socket outside that view must stay out of reach (the supervisor connected it by
+    the host's path before); the command's own sockets work by relative and absolute path."""
+    host = socket.socket(socket.AF_UNIX)
+    path = f"/run/egressbox-test-notify-{os.getpid()}.sock"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    host.bind(path)
+    host.listen(4)
+    host.settimeout(0.5)
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "attacks.py").write_text(ATTACKS)
+    state = STATE_ROOT / ".egressbox-test-notify-netns0"
+    env = {**os.environ, "EGRESSBOX_STATE_DIR": str(state), "EGRESSBOX_PURE": "1"}
+    zero = 'echo 0 > /proc/sys/user/max_net_namespaces && exec "$@"'
+    argv = ["unshare", "--user", "--map-root-user", "--", "sh", "-c", zero, "sh"]
+    argv += [*invoking_actor().egressbox, "run", "--report", "--read-root", str(tmp_path)]
+    argv += ["--workspace", "direct", "--", CHILD_PYTHON, str(tmp_path / "attacks.py"), path]
+    try:
+        done = subprocess.run(
+            argv, cwd=work, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+            check=False,
+        )  # fmt: skip
+        with pytest.raises(TimeoutError):
+            host.accept()
+    finally:
+        host.close()
+        os.unlink(path)
+        shutil.rmtree(state, ignore_errors=True)
+    assert "network_namespace: none" in done.stderr and "mount_namespace: full" in done.stderr
+    assert "THREAD connected" in done.stdout and "THREAD done" in done.stdout, done
+    assert done.stdout.count("ok\n") == 2, done.stdout
+    assert f"HOST {errno.ENOENT}" in done.stdout, done.stdout

@@ -38,12 +38,13 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
-from egressbox.confine import notify
+from egressbox.confine import notify, staging
 from egressbox.net.original import Destinations
 
 # Longest address a connect may give: sizeof(struct sockaddr_storage) (<sys/socket.h>).
 MAX_SOCKADDR: Final = 128
-SUN_PATH_MAX: Final = 108  # sizeof(sockaddr_un.sun_path)
+# openat2(2)'s resolution inside a directory taken as the root (Linux 5.6, <linux/openat2.h>).
+RESOLVE_IN_ROOT: Final = 0x10
 _IN: Final = struct.Struct("!2xH4s8x")  # sockaddr_in after the native-order family
 _IN6: Final = struct.Struct("!2xHI16sI")  # sockaddr_in6
 _FAMILY: Final = struct.Struct("=H")
@@ -232,11 +233,46 @@ class ConnectSupervisor:
                 return errno.EPERM  # what the command's Landlock scope answers
             return _libc_connect(sock_fd, raw)
         path = path.split(b"\0", 1)[0]
-        if not path.startswith(b"/"):
-            path = f"/proc/{pid}/cwd/".encode() + path
-        if len(path) >= SUN_PATH_MAX:
-            return errno.ENAMETOOLONG
-        return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + path + b"\0")
+        if not path:
+            return errno.EINVAL
+        try:
+            node = _socket_node(pid, path)
+        except OSError as exc:
+            return exc.errno or errno.ENOENT
+        try:
+            address = f"/proc/self/fd/{node}".encode()
+            return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + address + b"\0")
+        finally:
+            os.close(node)
+
+
+def _socket_node(pid: int, path: bytes) -> int:
+    """An O_PATH descriptor of the unix socket file `path` names for the command, found in
+    the command's own view: its root (a constructed one has no host sockets) and its working
+    directory, symlinks resolved inside that root, never through a /proc magic link (ours
+    would be the supervisor's). Connecting to /proc/self/fd/N then reaches exactly that
+    node, whatever the path's length. Raises OSError (ENOENT, ELOOP, EXDEV...)."""
+    absolute = path.startswith(b"/")
+    base = os.open(
+        f"/proc/{pid}/{'root' if absolute else 'cwd'}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    )
+    try:
+        if not absolute and _same_root(pid):
+            # The command sees our root: `..` may climb above its working directory as the
+            # kernel would let it.
+            resolve = staging.RESOLVE_NO_MAGICLINKS
+        else:
+            # A relative path in a view of its own cannot climb above the working directory
+            # (its place in that view is unknown to us).
+            resolve = RESOLVE_IN_ROOT | staging.RESOLVE_NO_MAGICLINKS
+        return staging.openat2(base, os.fsdecode(path.lstrip(b"/") or b"."), os.O_PATH, resolve)
+    finally:
+        os.close(base)
+
+
+def _same_root(pid: int) -> bool:
+    mine, theirs = os.stat("/"), os.stat(f"/proc/{pid}/root")
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def _pidfd_of(tid: int) -> int:
