@@ -1,11 +1,12 @@
 """Run a command where no namespace can be made, the way a container's seccomp profile does it.
 
-    python tests/no_namespaces.py CMD [ARGS...]
+    python tests/no_namespaces.py [--refuse SYSCALL]... CMD [ARGS...]
 
 Loads a seccomp filter that answers EPERM to unshare, setns, mount and clone with any
 CLONE_NEW* flag (Docker's default profile refuses these to an unprivileged container), and
 clone3 with ENOSYS (its flags are out of a filter's sight, so C libraries fall back to clone),
-then execs CMD: the filter stays on it and everything it starts.
+then execs CMD: the filter stays on it and everything it starts. `--refuse SYSCALL` answers
+EPERM to one more call (a profile that also refuses pidfd_getfd, say).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000
 CLONE_NEW_ANY |= 0x20000000 | 0x40000000 | 0x00000080
 
 
-def load_filter() -> None:
+def load_filter(extra: tuple[str, ...] = ()) -> None:
     refuse = pyseccomp.ERRNO(errno.EPERM)
     rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-    for name in ("unshare", "setns", "mount", "fsopen", "open_tree", "move_mount"):
+    for name in ("unshare", "setns", "mount", "fsopen", "open_tree", "move_mount", *extra):
         rules.add_rule(refuse, name)
     # clone's flags are argument 0 on x86-64; refuse it unless no CLONE_NEW* bit is set.
     for bit in _bits(CLONE_NEW_ANY):
@@ -39,10 +40,14 @@ def _bits(mask: int) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
+    extra: list[str] = []
+    while len(argv) > 1 and argv[0] == "--refuse":
+        extra.append(argv[1])
+        argv = argv[2:]
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    load_filter()
+    load_filter(tuple(extra))
     os.execvp(argv[0], argv)
 
 

@@ -243,7 +243,9 @@ def test_doctor_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     profiles = data["profiles"]
     assert list(profiles) == ["unrestricted", "worktree", "os_hardened"]
     for row in profiles.values():
-        assert set(row) == {"enforced", "missing", "refuses"}
+        assert set(row) == {"enforced", "missing", "refuses", "network_boundary"}
+        assert row["network_boundary"] in {"full", "partial", "none"}
+    assert "connect_supervisor" in data["mechanisms"]
     # os_hardened either enforces everything it wants or names what it refuses.
     hardened = profiles["os_hardened"]
     assert bool(hardened["missing"]) == bool(hardened["refuses"])

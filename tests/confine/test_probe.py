@@ -37,6 +37,7 @@ MECHANISM_NAMES = [
     "pid_namespace",
     "close_range",
     "capture",
+    "connect_supervisor",
 ]
 
 

@@ -948,6 +948,7 @@ def profile_support(support: object) -> dict[str, dict[str, object]]:
     """What each `run` profile would enforce on this host, and what it would refuse."""
     from egressbox.confine.plan import HostFacts, Profile, choose_mechanisms, wanted
     from egressbox.confine.probe import HostSupport
+    from egressbox.runner.assemble import SUPERVISOR, planned_network_boundary
 
     assert isinstance(support, HostSupport)
     status = {m.name: m.status.value for m in support.mechanisms()}
@@ -956,10 +957,15 @@ def profile_support(support: object) -> dict[str, dict[str, object]]:
     result: dict[str, dict[str, object]] = {}
     for profile in Profile:
         chosen, refusals = choose_mechanisms(profile, facts)
+        enforced = [m.value for m in chosen]
+        boundary, supervised = planned_network_boundary(chosen, available)
+        if supervised:
+            enforced.append(SUPERVISOR)  # holds the boundary by address in place of a namespace
         result[profile.value] = {
-            "enforced": sorted(m.value for m in chosen),
+            "enforced": sorted(enforced),
             "missing": sorted(m.value for m in wanted(profile) - chosen),
             "refuses": [r.message() for r in refusals],
+            "network_boundary": boundary.value,
         }
     return result
 

@@ -428,6 +428,7 @@ PROBED_MECHANISMS = (
     "pid_namespace",
     "close_range",
     "capture",
+    "connect_supervisor",
 )
 
 

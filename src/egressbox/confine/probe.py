@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from egressbox.confine import capture, landlock
+from egressbox.confine import capture, landlock, notify
 from egressbox.confine.blockers import DEFAULT_ENTRY_POINT, Blocker, NamespaceFacts, blocker
 from egressbox.confine.plan import PROBED_MECHANISMS
 
@@ -102,6 +102,7 @@ class Mechanism:
 
 
 _NOT_PROBED = Mechanism("capture", Availability.CANNOT_ATTACH, "not probed")
+_SUPERVISOR_NOT_PROBED = Mechanism("connect_supervisor", Availability.CANNOT_ATTACH, "not probed")
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ class HostSupport:
     # Transparent capture in the child's network namespace (local routes + nftables nat):
     # `run` captures every TCP connection and answers DNS there when this is available.
     capture: Mechanism = _NOT_PROBED
+    # Without a network namespace, `run` holds the command's connects for the proxy with a
+    # seccomp user-notification supervisor (confine/notify.py) when this is available.
+    connect_supervisor: Mechanism = _SUPERVISOR_NOT_PROBED
     elapsed_s: float = field(default=0.0, compare=False)
 
     def mechanisms(self) -> tuple[Mechanism, ...]:
@@ -164,6 +168,7 @@ def _probes() -> dict[str, Callable[[], Mechanism]]:
         "pid_namespace": lambda: _probe_namespace("pid_namespace", CLONE_NEWPID),
         "close_range": _probe_close_range,
         "capture": _probe_capture,
+        "connect_supervisor": _probe_connect_supervisor,
     }
 
 
@@ -550,6 +555,40 @@ def _capture_child() -> None:
         raise _StepError(exc.strerror or str(exc), exc.errno or 0) from exc
     except capture.CaptureError as exc:
         raise _StepError(str(exc), 0) from exc
+
+
+# The connect supervisor (seccomp user notification + pidfd_getfd, no namespace needed)
+
+SUPERVISOR_WORKS = (
+    "seccomp user notification and pidfd_getfd work: without a network namespace, connects "
+    "are held for the proxy"
+)
+
+
+def _probe_connect_supervisor() -> Mechanism:
+    name = "connect_supervisor"
+    why = notify.support()
+    if why:
+        # pidfd_open/pidfd_getfd refused: a filter or security module above us; anything
+        # else: the kernel (or this architecture) lacks the mechanism.
+        refused = why.startswith(("pidfd_open", "pidfd_getfd"))
+        status = Availability.CANNOT_ATTACH if refused else Availability.ABSENT_ON_HOST
+        return Mechanism(name, status, why)
+    # The in-process checks say the kernel has both calls; loading the real filter with a
+    # listener proves a filter above us allows it (one listener per filter chain: EBUSY
+    # inside another supervised run).
+    outcome = _run_in_child(_connect_filter_child)
+    if not outcome.ok:
+        text = _outcome_text(outcome)
+        return Mechanism(name, Availability.CANNOT_ATTACH, f"loading the connect filter: {text}")
+    return Mechanism(name, Availability.AVAILABLE, SUPERVISOR_WORKS)
+
+
+def _connect_filter_child() -> None:
+    try:
+        notify.load(notify.program())
+    except OSError as exc:
+        raise _StepError("seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER)", exc.errno or 0) from exc
 
 
 # Child processes

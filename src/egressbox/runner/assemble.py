@@ -1457,6 +1457,25 @@ _NETWORK_DETAIL = {
 }
 
 
+# The host probe's name for the connect supervisor (confine/probe.py), also the name `doctor`
+# lists among what a profile would enforce when it stands in for the network namespace.
+SUPERVISOR = "connect_supervisor"
+
+
+def planned_network_boundary(
+    chosen: frozenset[Mechanism], available: frozenset[str]
+) -> tuple[Enforcement, bool]:
+    """The network boundary a run with `chosen` would get on a host whose probe found
+    `available`, and whether the connect supervisor holds it (no namespace; its filter rides
+    on the seccomp one)."""
+    supervised = (
+        Mechanism.NETWORK_NAMESPACE not in chosen
+        and Mechanism.SECCOMP in chosen
+        and SUPERVISOR in available
+    )
+    return _network_boundary(chosen, supervised=supervised), supervised
+
+
 def _network_boundary(chosen: frozenset[Mechanism], *, supervised: bool = False) -> Enforcement:
     if Mechanism.NETWORK_NAMESPACE in chosen or supervised:
         return Enforcement.FULL

@@ -38,16 +38,19 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
-from egressbox.confine import notify
+from egressbox.confine import notify, staging
 from egressbox.net.original import Destinations
 
 # Longest address a connect may give: sizeof(struct sockaddr_storage) (<sys/socket.h>).
 MAX_SOCKADDR: Final = 128
-SUN_PATH_MAX: Final = 108  # sizeof(sockaddr_un.sun_path)
+# openat2(2)'s resolution inside a directory taken as the root (Linux 5.6, <linux/openat2.h>).
+RESOLVE_IN_ROOT: Final = 0x10
 _IN: Final = struct.Struct("!2xH4s8x")  # sockaddr_in after the native-order family
 _IN6: Final = struct.Struct("!2xHI16sI")  # sockaddr_in6
 _FAMILY: Final = struct.Struct("=H")
 _U32: Final = 0xFFFFFFFF
+# pidfd_open(2)'s flag for a thread's own pidfd (Linux 6.9; the value of O_EXCL).
+PIDFD_THREAD: Final = os.O_EXCL
 LOOPBACK: Final = "127.0.0.1"
 MAPPED_LOOPBACK: Final = "::ffff:127.0.0.1"
 
@@ -125,7 +128,9 @@ class ConnectSupervisor:
         ident, pid, _flags, _nr, _arch, _ip, *args = notify.NOTIF.unpack(buffer)
         err = self._connect(ident, pid, args)
         if err is None:
-            return  # the notification is gone: nobody to answer
+            if not self._valid(ident):
+                return  # the notification is gone: nobody to answer
+            err = errno.EPERM  # never leave a live connect held: it would hang for good
         self.handled += 1
         answer = bytearray(notify.NOTIF_RESP.pack(ident, 0, -err, 0))
         with contextlib.suppress(OSError):  # ENOENT: the task went away meanwhile
@@ -161,7 +166,7 @@ class ConnectSupervisor:
         """Our copy of the command's descriptor; -errno when it has none; None when the
         notification went away."""
         try:
-            pidfd = os.pidfd_open(pid)
+            pidfd = _pidfd_of(pid)
         except OSError:
             return None
         try:
@@ -228,11 +233,73 @@ class ConnectSupervisor:
                 return errno.EPERM  # what the command's Landlock scope answers
             return _libc_connect(sock_fd, raw)
         path = path.split(b"\0", 1)[0]
-        if not path.startswith(b"/"):
-            path = f"/proc/{pid}/cwd/".encode() + path
-        if len(path) >= SUN_PATH_MAX:
-            return errno.ENAMETOOLONG
-        return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + path + b"\0")
+        if not path:
+            return errno.EINVAL
+        try:
+            node = _socket_node(pid, path)
+        except OSError as exc:
+            return exc.errno or errno.ENOENT
+        try:
+            address = f"/proc/self/fd/{node}".encode()
+            return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + address + b"\0")
+        finally:
+            os.close(node)
+
+
+def _socket_node(pid: int, path: bytes) -> int:
+    """An O_PATH descriptor of the unix socket file `path` names for the command, found in
+    the command's own view: its root (a constructed one has no host sockets) and its working
+    directory, symlinks resolved inside that root, never through a /proc magic link (ours
+    would be the supervisor's). Connecting to /proc/self/fd/N then reaches exactly that
+    node, whatever the path's length. Raises OSError (ENOENT, ELOOP, EXDEV...)."""
+    absolute = path.startswith(b"/")
+    base = os.open(
+        f"/proc/{pid}/{'root' if absolute else 'cwd'}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    )
+    try:
+        if not absolute and _same_root(pid):
+            # The command sees our root: `..` may climb above its working directory as the
+            # kernel would let it.
+            resolve = staging.RESOLVE_NO_MAGICLINKS
+        else:
+            # A relative path in a view of its own cannot climb above the working directory
+            # (its place in that view is unknown to us).
+            resolve = RESOLVE_IN_ROOT | staging.RESOLVE_NO_MAGICLINKS
+        return staging.openat2(base, os.fsdecode(path.lstrip(b"/") or b"."), os.O_PATH, resolve)
+    finally:
+        os.close(base)
+
+
+def _same_root(pid: int) -> bool:
+    mine, theirs = os.stat("/"), os.stat(f"/proc/{pid}/root")
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+
+def _pidfd_of(tid: int) -> int:
+    """A pidfd for the task that asked: the notification names a thread, which need not lead
+    its thread group (a connect from any thread but the first). PIDFD_THREAD (Linux 6.9) opens
+    the thread itself; before it, the group leader's pidfd serves, since threads share their
+    descriptor table. Raises OSError."""
+    try:
+        return os.pidfd_open(tid, PIDFD_THREAD)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    try:
+        return os.pidfd_open(tid)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    return os.pidfd_open(_thread_group(tid))
+
+
+def _thread_group(tid: int) -> int:
+    """The thread group (process) id of a thread, from /proc/TID/status; raises OSError."""
+    with open(f"/proc/{tid}/status", "rb") as status:
+        for line in status:
+            if line.startswith(b"Tgid:"):
+                return int(line.split()[1])
+    raise OSError(errno.ESRCH, f"no Tgid for task {tid}")
 
 
 def _libc_connect(fd: int, address: bytes) -> int:
