@@ -36,6 +36,7 @@ from egressbox.confine.plan import (
     PRESETS,
     PROC_NET_UNIX,
     REQUIREMENT_FALLBACK,
+    USER_TEMP,
     Enforcement,
     FsPlan,
     HostFacts,
@@ -277,7 +278,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         process_write_roots=roots.process_write,
     )
     warnings += _denied_roots(roots, fs)
-    fs = _host_view(fs, chosen)
+    fs = _host_view(fs, chosen, trusted, start.cleanup if layout.read_only else ())
     _refuse_own_state(fs.write, chosen, files=files, own=_own_files(options, home))
     copies: tuple[tuple[str, str], ...] = ()
     notes: list[str] = []
@@ -464,11 +465,14 @@ def _stage(options: RunOptions, start: _Start, roots: _Roots, warnings: list[str
     if options.review and (
         options.workspace != STAGED or Mechanism.MOUNT_NAMESPACE not in start.chosen
     ):
-        raise EgressboxError(f"--review needs a staged workspace: {NO_MOUNTS}")
+        why = "its layer needs a mount namespace, which this run cannot make"
+        if options.workspace != STAGED:
+            why = "--workspace direct was asked"
+        raise EgressboxError(f"--review needs a staged workspace: {why}")
     if options.workspace != STAGED:
         return _Staged(None, DIRECT, "--workspace direct: the command writes the host's files")
     if Mechanism.MOUNT_NAMESPACE not in start.chosen:
-        return _Staged(None, DIRECT, NO_MOUNTS)
+        return _Staged(None, DIRECT, _unstaged(options, warnings))
     if not writable:
         return _Staged(None, STAGED, "nothing writable to stage")
     direct: tuple[str, ...] = ()
@@ -494,6 +498,21 @@ def _stage(options: RunOptions, start: _Start, roots: _Roots, warnings: list[str
     )
     detail = f"writes go to run {stage.layer.run}'s layer, applied through the gate at exit"
     return _Staged(stage, STAGED, detail, direct)
+
+
+def _unstaged(options: RunOptions, warnings: list[str]) -> str:
+    """A staged workspace without a mount namespace (its layer is an overlay mounted in one):
+    refused when asked for by name, said once when it was only the default."""
+    if options.workspace_asked:
+        raise RunRefusedError(
+            [],
+            message="refused: --workspace staged needs a mount namespace for its "
+            "copy-on-write layer, which this run cannot make; --workspace direct writes "
+            "the host's files live (host-trusted files checked and put back after the run)",
+            cause="confinement_unavailable",
+        )
+    warnings.append(f"workspace: direct ({NO_MOUNTS})")
+    return NO_MOUNTS
 
 
 def _mechanisms(
@@ -540,11 +559,27 @@ HOST_DEVICE_NODES = (
 )
 
 
-def _host_view(fs: FsPlan, chosen: frozenset[Mechanism]) -> FsPlan:
-    """Without a mount namespace the grants are the host's paths: /dev narrows (host_devices)."""
+def _host_view(
+    fs: FsPlan, chosen: frozenset[Mechanism], trusted: Sequence[str], scratch: Sequence[str]
+) -> FsPlan:
+    """Without a mount namespace the grants are the host's paths, and Landlock alone holds them.
+
+    - /dev narrows to the nodes every program uses (host_devices);
+    - /tmp and /var/tmp are the host's, shared with every other process and user: not granted
+      (a private one needs a mount namespace); TMPDIR points into the scratch space, which is
+      (`scratch`: a read-only workspace's, made outside it for this run);
+    - host-trusted names inside a writable root are not split out of its grant: Landlock is
+      allow-only, so keeping `.git/config` read-only would take the right to create anything
+      in the workspace's top directory and in `.git` (every new file, `git`'s lock files).
+      The guard checks them after the run and puts them back (runner/verify.py), as in direct
+      mode; read roots nested in writable ones stay split (the user asked for them).
+    """
     if Mechanism.MOUNT_NAMESPACE in chosen:
         return fs
-    return fs._replace(write=host_devices(fs.write))
+    write = tuple(p for p in host_devices(fs.write) if p not in USER_TEMP)
+    protected = set(trusted)
+    nested = tuple(p for p in fs.read_only_inside_write if p not in protected)
+    return fs._replace(write=(*write, *scratch), read_only_inside_write=nested)
 
 
 def host_devices(write: Sequence[str]) -> tuple[str, ...]:
@@ -1149,7 +1184,6 @@ def _refuse_own_state(
     if not files:
         return
     from egressbox.confine.cache import STATE_ENV
-    from egressbox.confine.plan import USER_TEMP
 
     # With a mount namespace /tmp and /var/tmp are the child's own, not the host's.
     private = USER_TEMP if Mechanism.MOUNT_NAMESPACE in chosen else ()
@@ -1531,7 +1565,8 @@ _LANDLOCK_ONLY = (
     + ", ".join(HOST_DEVICE_NODES)
     + " (no other device opens, so no other device ioctl); metadata changes (chmod, chown, "
     "utimes) under readable roots are not stopped (Landlock has no right for them up to ABI 7); "
-    "the workspace is written directly"
+    "the workspace is written directly; the host's /tmp and /var/tmp are not granted (shared "
+    "with every user: TMPDIR is the scratch space)"
 )
 
 

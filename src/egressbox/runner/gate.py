@@ -21,8 +21,8 @@ from egressbox.runner.options import MechanismReport, RunResult
 
 STAGED, DIRECT = "staged", "direct"
 NO_MOUNTS = (
-    "staging needs a mount namespace, which this run does not have: the command writes the "
-    "host's files directly"
+    "no mount namespace for a staged layer: the command writes the host's files live; "
+    "host-trusted files are checked after the run and put back"
 )
 
 

@@ -150,6 +150,9 @@ class RunOptions(NamedTuple):
     # How the command's writes reach the host (confine/staging.py): "staged" in a layer applied
     # through a gate when it exits (host-trusted names held back), or "direct" (live).
     workspace: str = "staged"
+    # Whether the caller named the workspace mode (a staged one asked for by name is refused
+    # where it cannot be built; the default falls back to direct and says so).
+    workspace_asked: bool = False
     # Staged: keep the whole layer for `egressbox changes|apply|discard`, apply nothing.
     review: bool = False
     # --user NAME: started as root, the command runs as NAME (runner/account.py).
@@ -397,6 +400,7 @@ def with_settings(
         "read_only_workspace": read_only_workspace or fs.workspace == "read-only",
         "toolchain_cache": caches,
         "workspace": mode,
+        "workspace_asked": bool(workspace or getattr(fs, "workspace_mode", None)),
         "secret_names": settings.secret_names,
         "terminate": settings.terminate,
         "secret_env": settings.secret_env,
