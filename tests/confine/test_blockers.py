@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from egressbox.confine.blockers import (
+    CAP_SYS_ADMIN,
     DEFAULT_ENTRY_POINT,
     IDENTITY_UID_MAP,
     NamespaceFacts,
@@ -126,6 +127,36 @@ TABLE = [
         ),
         "seccomp_profile",
         ("--security-opt seccomp=unconfined",),
+    ),
+    (
+        # Every namespace kind but the network one allowed: that sysctl is named, not
+        # user.max_user_namespaces (root with CAP_SYS_ADMIN needs no user namespace).
+        _with(
+            euid=0,
+            cap_eff=1 << CAP_SYS_ADMIN,
+            failed_step="unshare(CLONE_NEWNET)",
+            failed_errno=errno.ENOSPC,
+            namespace_limits=(("net", 0), ("mnt", 15000)),
+        ),
+        "max_net_namespaces",
+        ("sudo sysctl -w user.max_net_namespaces=",),
+    ),
+    (
+        _with(failed_step=UNSHARE, failed_errno=errno.ENOSPC, namespace_limits=(("net", 9),)),
+        "namespace_limit",
+        ("user.max_user_namespaces, user.max_net_namespaces", "sudo egressbox run --user"),
+    ),
+    (
+        # Root without CAP_SYS_ADMIN makes a user namespace first: Debian's switch applies.
+        _with(
+            euid=0,
+            cap_eff=0x1FF,
+            failed_step=UNSHARE,
+            failed_errno=errno.EPERM,
+            unprivileged_userns_clone=0,
+        ),
+        "unprivileged_userns_clone",
+        ("sudo sysctl -w kernel.unprivileged_userns_clone=1",),
     ),
     (
         _with(failed_step=UNSHARE, failed_errno=errno.EACCES),

@@ -190,3 +190,22 @@ def test_drop_inside_a_user_namespace() -> None:
         "clear": True,
         "exec": {"effective": 0, "permitted": 0, "bounding": 0},
     }
+
+
+def test_sys_admin_is_read_from_the_effective_set_not_the_uid() -> None:
+    """Root without CAP_SYS_ADMIN (Docker's default capabilities) does not hold it: the probe
+    and the launcher then make a user namespace first, as for an unprivileged user."""
+    if os.geteuid() != 0 or not os.access("/usr/bin/setpriv", os.X_OK):
+        pytest.skip("needs root and setpriv to drop CAP_SYS_ADMIN for real")
+    import sys
+
+    code = (
+        "from egressbox.confine import caps; import os; print(os.geteuid(), caps.holds_sys_admin())"
+    )
+    drop = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", "--"]
+    for prefix, expected in (([], "0 True"), (drop, "0 False")):
+        done = subprocess.run(
+            [*prefix, sys.executable, "-c", code], capture_output=True, text=True, check=True,
+            timeout=60,
+        )  # fmt: skip
+        assert done.stdout.strip() == expected, (prefix, done.stdout, done.stderr)

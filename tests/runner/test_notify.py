@@ -3,10 +3,12 @@
 `egressbox run` (and `egressbox doctor`) start in an environment that keeps namespaces from
 them: a seccomp filter refusing namespace creation (what Docker's default profile does to an
 unprivileged container: tests/no_namespaces.py), as root and as the unprivileged test user; a
-user namespace where `user.max_user_namespaces` is 0, with and without capabilities in it; a
-user namespace whose uid 0 holds no capability (a nested sandbox). The command then makes the
-attacks a hostile child would make: a direct connect to the proxy's port number on another
-loopback address, and to another listener; the listeners say whether anything arrived.
+user namespace where `user.max_user_namespaces` is 0, with and without capabilities in it; one
+where `user.max_net_namespaces` is 0; root without CAP_SYS_ADMIN (which must make a user
+namespace first); a user namespace whose uid 0 holds no capability (a nested sandbox). The
+command then makes the attacks a hostile child would make: a direct connect to the proxy's port
+number on another loopback address, and to another listener; the listeners say whether anything
+arrived.
 Allowed traffic through HTTP_PROXY and a proxy-unaware curl must work and be audited, and
 doctor, run in the same environment, must name what blocks namespaces.
 """
@@ -43,6 +45,7 @@ STATE_ROOT = Path(os.environ.get("EGRESSBOX_TEST_STATE_ROOT", "/root"))
 CHILD_PYTHON = "/usr/bin/python3"  # readable by every user (a pyenv build under /root is not)
 # Makes the user namespace's limit 0, then runs the rest of its arguments (sh -c's "$@").
 ZERO_USERNS = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"'
+ZERO_NETNS = 'echo 0 > /proc/sys/user/max_net_namespaces && exec "$@"'
 # Leaves uid 0 without a capability: bounding, inheritable and ambient sets emptied.
 NO_CAPS = ("setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--")
 
@@ -129,6 +132,9 @@ class Environment:
     namespace: bool = False
     cause: str = ""  # doctor's namespace_blocker cause; "" when namespaces still work
     needs: tuple[str, ...] = ()  # tools the prefix runs
+    # Words doctor's user_namespace and network_namespace rows hold (with `namespace`).
+    user_detail: str = ""
+    net_detail: str = ""
 
 
 def _zero_userns(*rest: str) -> tuple[str, ...]:
@@ -145,7 +151,31 @@ ENVIRONMENTS = [
     ),
     # uid 0 of its own user namespace still has CAP_SYS_ADMIN there: egressbox makes its
     # network namespace without a user namespace, so the limit does not matter.
-    Environment("max_user_namespaces_0", _zero_userns(), namespace=True, needs=("unshare",)),
+    Environment(
+        "max_user_namespaces_0",
+        _zero_userns(),
+        namespace=True,
+        needs=("unshare",),
+        user_detail="max_*_namespaces",  # the limit is named all the same
+        net_detail="unshare(CLONE_NEWNET)",
+    ),
+    # Root without CAP_SYS_ADMIN (a container's root with Docker's default capabilities, its
+    # seccomp profile lifted): a user namespace first, as for an unprivileged user.
+    Environment(
+        "root_without_sys_admin",
+        ("setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", "--"),
+        namespace=True,
+        needs=("setpriv",),
+        user_detail="unshare(CLONE_NEWUSER) works",
+        net_detail="unshare(CLONE_NEWUSER|CLONE_NEWNET) works",
+    ),
+    # Network namespaces disabled where every other kind works: doctor names that sysctl.
+    Environment(
+        "max_net_namespaces_0",
+        ("unshare", "--user", "--map-root-user", "--", "sh", "-c", ZERO_NETNS, "sh"),
+        cause="max_net_namespaces",
+        needs=("unshare",),
+    ),
     Environment(
         "max_user_namespaces_0_without_capabilities",
         _zero_userns(*NO_CAPS),
@@ -305,10 +335,13 @@ def _doctor_agrees(place: Place, run_err: str) -> None:
     blocked = report["namespace_blocker"]
     if place.env.namespace:
         assert blocked is None, blocked
-        user = report["mechanisms"]["user_namespace"]
-        assert "max_*_namespaces" in user["detail"], user  # the limit is named all the same
+        user, net = (report["mechanisms"][n] for n in ("user_namespace", "network_namespace"))
+        assert place.env.user_detail in user["detail"], user
+        assert place.env.net_detail in net["detail"], net
         return
     assert blocked is not None and blocked["cause"] == place.env.cause, blocked
+    if place.env.cause.startswith("max_"):  # the sysctl that blocks, not another one
+        assert f"sudo sysctl -w user.{place.env.cause}=" in blocked["fix"], blocked
     assert "connect_supervisor" in report["profiles"]["worktree"]["enforced"]
     assert f"no namespaces here: {blocked['why']}" in " ".join(run_err.split()), run_err
 

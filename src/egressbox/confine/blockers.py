@@ -4,7 +4,9 @@ Pure: the host probe (confine/probe.py ``blocker_facts``) reads the facts; this 
 into one cause with its fix, for ``egressbox doctor`` and the one line ``run`` prints when it
 falls back to a run without a network namespace. The causes, in the order they are told apart:
 
-- ``max_user_namespaces``: ``user.max_user_namespaces = 0`` (unshare says ENOSPC);
+- ``max_user_namespaces``: ``user.max_user_namespaces = 0`` (unshare says ENOSPC); likewise
+  ``max_net_namespaces``, ``max_mnt_namespaces``... for the other limits, and
+  ``namespace_limit`` for one reached that is not 0;
 - ``unprivileged_userns_clone``: Debian's ``kernel.unprivileged_userns_clone = 0``;
 - ``apparmor_userns``: Ubuntu's ``kernel.apparmor_restrict_unprivileged_userns = 1`` (23.10 and
   later, GitHub's 24.04 runners): unshare succeeds but the new namespace has no capabilities;
@@ -30,6 +32,10 @@ IDENTITY_UID_MAP = ((0, 0, 4294967295),)
 # A limit that lets a busy host run many sandboxes (Debian's and Ubuntu's default is the
 # kernel's: a fraction of the memory, typically tens of thousands).
 SUGGESTED_MAX_USER_NAMESPACES = 15000
+CAP_SYS_ADMIN = 21  # <linux/capability.h>
+# The namespaces `run` makes, in the order their limits are checked (user only without
+# CAP_SYS_ADMIN), each with its sysctl user.max_NAME_namespaces.
+LIMITED_NAMESPACES = ("user", "net", "mnt", "pid", "ipc", "uts")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,15 @@ class NamespaceFacts:
     apparmor_loaded: bool  # /sys/kernel/security/apparmor or /sys/module/apparmor exists
     kubernetes: bool = False  # KUBERNETES_SERVICE_HOST set: the fix is a securityContext
     entry_point: str = DEFAULT_ENTRY_POINT  # the installed egressbox, for the profile
+    # The other user.max_*_namespaces sysctls, by namespace (net, mnt, pid, ipc, uts): a 0
+    # there refuses that namespace even to a process that may make it (ENOSPC).
+    namespace_limits: tuple[tuple[str, int | None], ...] = ()
+
+    @property
+    def privileged(self) -> bool:
+        """Holds CAP_SYS_ADMIN in its user namespace: makes namespaces without a user one
+        (uid 0 alone does not: a container's root often lacks it)."""
+        return bool(self.cap_eff & (1 << CAP_SYS_ADMIN))
 
     @property
     def nested(self) -> bool:
@@ -91,21 +106,28 @@ def blocker(facts: NamespaceFacts) -> Blocker | None:
 
 
 def _max_user_namespaces(facts: NamespaceFacts) -> Blocker | None:
-    if facts.max_user_namespaces != 0 and facts.failed_errno != errno.ENOSPC:
+    """A user.max_*_namespaces sysctl at 0 (named: the one that blocks), or a limit reached."""
+    limits = dict(facts.namespace_limits) | {"user": facts.max_user_namespaces}
+    needed = [n for n in LIMITED_NAMESPACES if n != "user" or not facts.privileged]
+    zero = next((n for n in needed if limits.get(n) == 0), None)
+    if zero is None and facts.failed_errno != errno.ENOSPC:
         return None
-    if facts.max_user_namespaces == 0:
-        why = "user.max_user_namespaces is 0 (user namespaces are disabled)"
+    keep = "(and the same line in /etc/sysctl.d/90-egressbox.conf to keep it)"
+    if zero is not None:
+        name = f"user.max_{zero}_namespaces"
+        why = f"{name} is 0 ({zero} namespaces are disabled)"
+        fix = f"sudo sysctl -w {name}={SUGGESTED_MAX_USER_NAMESPACES} {keep}"
+        cause = f"max_{zero}_namespaces"
     else:
-        why = "a namespace limit (/proc/sys/user/max_*_namespaces) is reached"
-    sysctl = f"user.max_user_namespaces={SUGGESTED_MAX_USER_NAMESPACES}"
-    fix = (
-        f"sudo sysctl -w {sysctl} (and the same line in /etc/sysctl.d/90-egressbox.conf to keep it)"
-    )
-    return Blocker("max_user_namespaces", why, fix + _as_root(facts))
+        names = ", ".join(f"user.max_{n}_namespaces" for n in needed)
+        why = f"a namespace limit is reached (one of {names})"
+        fix = f"raise the one that is reached: sudo sysctl -w user.max_NAME_namespaces=N {keep}"
+        cause = "namespace_limit"
+    return Blocker(cause, why, fix + _as_root(facts))
 
 
 def _userns_clone(facts: NamespaceFacts) -> Blocker | None:
-    if facts.unprivileged_userns_clone != 0 or facts.euid == 0:
+    if facts.unprivileged_userns_clone != 0 or facts.privileged:
         return None
     why = "kernel.unprivileged_userns_clone is 0 (Debian's switch for unprivileged users)"
     fix = (
@@ -116,7 +138,7 @@ def _userns_clone(facts: NamespaceFacts) -> Blocker | None:
 
 
 def _apparmor(facts: NamespaceFacts) -> Blocker | None:
-    if facts.apparmor_restrict != 1 or not facts.apparmor_loaded or facts.euid == 0:
+    if facts.apparmor_restrict != 1 or not facts.apparmor_loaded or facts.privileged:
         return None
     why = (
         "AppArmor restricts unprivileged user namespaces "

@@ -47,6 +47,9 @@ STATUS_FIELDS = {
     "CapAmb": "ambient",
 }
 _HIGHEST_POSSIBLE_CAP = 63  # capset v3 carries 64 bits per set
+# <linux/capability.h>: what creating a network, mount or PID namespace takes without a new
+# user namespace (uid 0 alone does not: a container's root often lacks it).
+CAP_SYS_ADMIN = 21
 
 
 class CapabilityError(OSError):
@@ -145,3 +148,13 @@ def parse_capability_sets(status: str) -> CapSets:
     if missing:
         raise ValueError(f"no {', '.join(missing)} in the status text")
     return CapSets(**values)
+
+
+def holds_sys_admin(status_path: str = "/proc/self/status") -> bool:
+    """Whether this process holds CAP_SYS_ADMIN in its effective set (in its own user
+    namespace): then it makes namespaces directly; otherwise, root or not, only a new user
+    namespace gives it the right. False when /proc cannot be read."""
+    try:
+        return bool(read_capability_sets(status_path).effective & (1 << CAP_SYS_ADMIN))
+    except (OSError, ValueError):
+        return False

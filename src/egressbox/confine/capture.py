@@ -345,8 +345,8 @@ def available() -> tuple[bool, str]:
 
 
 def self_test() -> str:
-    """Meant for a throwaway child: unshare a network namespace (and a user namespace unless
-    root), route, install the rules, and check that a connect to a documentation address is
+    """Meant for a throwaway child: unshare a network namespace (and a user namespace without
+    CAP_SYS_ADMIN), route, install the rules, and check that a connect to a documentation address is
     captured with its original destination. Returns a summary; raises OSError (its strerror
     names the step) or CaptureError on a failure.
 
@@ -357,7 +357,9 @@ def self_test() -> str:
     from egressbox.core.original import original_destination
 
     libc = ctypes.CDLL(None, use_errno=True)
-    user = os.geteuid() != 0
+    from egressbox.confine import caps
+
+    user = not caps.holds_sys_admin()  # root without CAP_SYS_ADMIN needs one too
     flags = _CLONE_NEWNET | (_CLONE_NEWUSER if user else 0)
     if libc.unshare(ctypes.c_int(flags)) != 0:
         what = "CLONE_NEWUSER|CLONE_NEWNET" if user else "CLONE_NEWNET"

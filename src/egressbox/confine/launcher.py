@@ -329,8 +329,17 @@ def _prepare_seccomp(plan: LaunchPlan) -> Any:
     return seccomp.prepare(seccomp.SeccompOptions(allow_udp=plan.capture))
 
 
+# --user NAME needs NAME's uid in the namespaces; a user namespace made by a root without
+# CAP_SYS_ADMIN maps only uid 0 (more needs the parent to write the map).
+_RUN_AS_NEEDS_SYS_ADMIN = (
+    "--user needs CAP_SYS_ADMIN to make the run's namespaces as root, which this process "
+    "lacks (a container's default capabilities): run egressbox as the user itself (it makes a "
+    "user namespace of its own), or give the container CAP_SYS_ADMIN"
+)
+
+
 def _unshare(plan: LaunchPlan) -> None:
-    from egressbox.confine import syscalls
+    from egressbox.confine import caps, syscalls
 
     flags = 0
     names = []
@@ -349,15 +358,21 @@ def _unshare(plan: LaunchPlan) -> None:
     if not flags:
         _PROGRESS.applied["namespaces"] = []
         return
-    if plan.uid != 0:
+    # Without CAP_SYS_ADMIN (an unprivileged user, or a container's root with Docker's default
+    # capabilities) only a new user namespace gives the right to make the others.
+    user = not caps.holds_sys_admin()
+    ids = (os.geteuid(), os.getegid())  # unmapped (the overflow id) until the maps are written
+    if user:
+        if plan.run_as is not None:
+            raise LaunchError(_RUN_AS_NEEDS_SYS_ADMIN)
         flags |= syscalls.CLONE_NEWUSER
         names.append("user")
     try:
         syscalls.unshare(flags)
     except OSError as exc:
         raise LaunchError(f"cannot create namespaces: {exc.strerror}") from None
-    if plan.uid != 0:
-        netns.write_id_maps(plan.uid, plan.gid)
+    if user:
+        netns.write_id_maps(*ids)
     _PROGRESS.applied["namespaces"] = names
 
 

@@ -38,7 +38,14 @@ def loopback_up() -> None:
 
 
 def write_id_maps(uid: int, gid: int) -> None:
-    """Map our own uid/gid 1:1 in a new user namespace (never to 0)."""
+    """Map our own uid/gid 1:1 in a new user namespace (never to 0).
+
+    A process that changed its uid without exec (a probe child of root's) is not dumpable, so
+    its /proc/self files are root's and it could not write them: made dumpable first (the
+    exec that follows sets the flag again from the program's own rules)."""
+    from egressbox.confine import syscalls
+
+    syscalls.prctl(syscalls.PR_SET_DUMPABLE, 1)
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")

@@ -24,8 +24,14 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from egressbox.confine import capture, landlock, notify
-from egressbox.confine.blockers import DEFAULT_ENTRY_POINT, Blocker, NamespaceFacts, blocker
+from egressbox.confine import caps, capture, landlock, notify
+from egressbox.confine.blockers import (
+    DEFAULT_ENTRY_POINT,
+    LIMITED_NAMESPACES,
+    Blocker,
+    NamespaceFacts,
+    blocker,
+)
 from egressbox.confine.plan import PROBED_MECHANISMS
 
 # Namespace flags for unshare(2) (<sched.h>); Python 3.11 has no os.unshare.
@@ -336,8 +342,9 @@ def _probe_namespace(name: str, flag: int) -> Mechanism:
     if not os.path.exists(f"/proc/self/ns/{_NS_PROC_NAMES[flag]}"):
         return Mechanism(name, Availability.ABSENT_ON_HOST, "the kernel lacks this namespace type")
     flags = flag or CLONE_NEWUSER
-    if os.geteuid() != 0:
-        # Without CAP_SYS_ADMIN, only a new user namespace grants the right to create the others.
+    if not caps.holds_sys_admin():
+        # Without CAP_SYS_ADMIN (root or not), only a new user namespace grants the right to
+        # create the others.
         flags |= CLONE_NEWUSER
     outcome = _run_in_child(lambda: _namespace_child(flags))
     call = f"unshare({_flag_text(flags)})"
@@ -350,14 +357,28 @@ def _probe_namespace(name: str, flag: int) -> Mechanism:
 
 
 def _namespace_child(flags: int) -> None:
+    ids = (os.geteuid(), os.getegid())  # the overflow id once unshared, until mapped
     if _LIBC.unshare(flags) == -1:
         raise _StepError(f"unshare({_flag_text(flags)})", ctypes.get_errno())
+    if flags & CLONE_NEWUSER:
+        _map_ids(*ids)
     if flags & CLONE_NEWNET:
         _bring_lo_up()
     if flags & CLONE_NEWNS:
         _make_root_private()
     if flags & CLONE_NEWPID:
         _check_pid_one()
+
+
+def _map_ids(uid: int, gid: int) -> None:
+    # What the launcher does next: its own ids, 1:1. Mapping uid 0 needs CAP_SETFCAP when the
+    # namespace was made (Linux 5.12): uid 0 of a capability-less sandbox cannot.
+    from egressbox.confine import netns
+
+    try:
+        netns.write_id_maps(uid, gid)
+    except OSError as exc:
+        raise _StepError("writing the new user namespace's id maps", exc.errno or 0) from exc
 
 
 def _bring_lo_up() -> None:
@@ -410,8 +431,8 @@ def _namespace_hint(flags: int, err: int) -> str:
 def _eperm_hint(flags: int) -> str:
     if not flags & CLONE_NEWUSER:
         return "; this process lacks CAP_SYS_ADMIN (a container without privileges?)"
-    if os.geteuid() == 0:
-        return "; user namespaces are refused even to root (a container or security policy?)"
+    if caps.holds_sys_admin():
+        return "; user namespaces are refused even with CAP_SYS_ADMIN (a security policy?)"
     if _read_sysctl("kernel/apparmor_restrict_unprivileged_userns") == "1":  # Ubuntu 23.10+
         sysctl = "kernel.apparmor_restrict_unprivileged_userns"
         return f"; AppArmor restricts unprivileged user namespaces ({sysctl}=1)"
@@ -425,9 +446,9 @@ APPARMOR_PATHS = ("/sys/kernel/security/apparmor", "/sys/module/apparmor")
 
 def blocker_facts() -> NamespaceFacts:
     """The facts behind "what blocks namespaces here": a test unshare of the network namespace
-    (with a user namespace unless root) in a child, /proc/self/status, the uid map, the sysctls
-    and whether AppArmor is loaded. A few milliseconds; never raises."""
-    flags = CLONE_NEWNET | (0 if os.geteuid() == 0 else CLONE_NEWUSER)
+    (with a user namespace without CAP_SYS_ADMIN) in a child, /proc/self/status, the uid map,
+    the sysctls and whether AppArmor is loaded. A few milliseconds; never raises."""
+    flags = CLONE_NEWNET | (0 if caps.holds_sys_admin() else CLONE_NEWUSER)
     try:
         outcome = _run_in_child(lambda: _namespace_child(flags))
     except OSError as exc:
@@ -447,6 +468,11 @@ def blocker_facts() -> NamespaceFacts:
         apparmor_loaded=any(os.path.exists(p) for p in APPARMOR_PATHS),
         kubernetes=bool(os.environ.get("KUBERNETES_SERVICE_HOST")),
         entry_point=entry_point(),
+        namespace_limits=tuple(
+            (name, _sysctl_int(f"user/max_{name}_namespaces"))
+            for name in LIMITED_NAMESPACES
+            if name != "user"
+        ),
     )
 
 
