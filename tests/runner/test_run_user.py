@@ -8,9 +8,11 @@ in the workspace stayed unread. Without root, --user is refused with a message.
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -121,6 +123,76 @@ def test_the_command_runs_as_name_and_its_files_are_names(
     assert SECRET not in (workspace / "leaked.txt").read_text()
     assert (workspace / "secret.txt").read_text() == SECRET
     assert _owned(workspace / "secret.txt", 0)
+
+
+WRAPPER = Path(__file__).resolve().parents[1] / "no_namespaces.py"
+# The command: connects to each unix socket named, says what happened.
+UNIX_CLIENT = """
+import socket, sys
+for path in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        s.sendall(b"from the command")
+        print("connected", path, flush=True)
+    except OSError as exc:
+        print("refused", path, exc.errno, flush=True)
+    s.close()
+"""
+
+
+def _unix_listener(path: Path, owner: tuple[int, int], mode: int) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    os.chown(path, *owner)
+    os.chmod(path, mode)
+    sock.listen(4)
+    sock.settimeout(0.5)
+    return sock
+
+
+def _received(sock: socket.socket) -> bytes:
+    try:
+        conn, _ = sock.accept()
+    except TimeoutError:
+        return b""
+    with conn:
+        conn.settimeout(2)
+        return conn.recv(100)
+
+
+def test_the_connect_supervisor_connects_unix_sockets_with_names_rights(
+    places: tuple[Path, Path], account: tuple[int, int]
+) -> None:
+    """Where no namespace can be made (a container's seccomp profile, tests/no_namespaces.py)
+    `run --user NAME` falls back to the connect supervisor in root's `run`, which makes the
+    command's connects itself: a unix socket only root may use (0600, root's), inside the
+    granted workspace, must stay out of the command's reach; one NAME may use must work.
+    Judged by the listeners."""
+    workspace, state = places
+    (workspace / "client.py").write_text(UNIX_CLIENT)
+    root_only = _unix_listener(workspace / "root.sock", (0, 0), 0o600)
+    names = _unix_listener(workspace / "name.sock", account, 0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSBOX_")}
+    env |= {"EGRESSBOX_STATE_DIR": str(state), "EGRESSBOX_PURE": "1"}
+    argv = [sys.executable, str(WRAPPER), sys.executable, "-m", "egressbox", "run", "--report"]
+    argv += ["--user", TEST_USER, "--", "/usr/bin/python3", "client.py", "root.sock"]
+    argv += [str(workspace / "name.sock")]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, env=env, cwd=workspace,
+            stdin=subprocess.DEVNULL, timeout=RUN_TIMEOUT, check=False,
+        )  # fmt: skip
+        got_root, got_name = _received(root_only), _received(names)
+    finally:
+        root_only.close()
+        names.close()
+    assert done.returncode == 0, done.stderr
+    assert "network_namespace: none" in done.stderr and "connect supervisor" in done.stderr
+    assert got_root == b"", "the command reached root's 0600 socket through the supervisor"
+    assert f"refused root.sock {errno.EACCES}" in done.stdout, done.stdout
+    assert got_name == b"from the command", done.stdout
+    assert f"connected {workspace / 'name.sock'}" in done.stdout, done.stdout
 
 
 def test_the_report_says_who_the_command_ran_as(

@@ -11,8 +11,10 @@ the socket is connected where we decided.
 - any other TCP destination: to the capture listener, the destination recorded in a side table
   (net/original.py Destinations) by the socket's local address, bound first so the entry exists
   before the proxy accepts; the proxy decides it as `tcp` with that destination;
-- unix sockets: connected by us to the same path (a relative one from the command's directory);
-  abstract names only when the command has no Landlock scope (we would step over it);
+- unix sockets: connected by us to the same path (a relative one from the command's directory),
+  with the command's rights under `--user NAME` (this thread's fsuid, fsgid and groups are
+  NAME's for the walk and the connect: root's would reach sockets NAME may not); abstract
+  names only when the command has no Landlock scope (we would step over it);
 - anything else: EAFNOSUPPORT (other families) or EPERM (non-stream inet sockets).
 
 A dedicated thread, not the event loop: notifications come before the loop runs (the command
@@ -35,7 +37,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 from egressbox.confine import notify, staging
@@ -70,8 +72,10 @@ class ConnectSupervisor:
         capture_port: int | None,
         destinations: Destinations,
         abstract_allowed: bool,
+        as_user: tuple[int, int, tuple[int, ...]] | None = None,
     ) -> None:
         self._fd = listener
+        self._as_user = as_user
         self._proxy_ports = frozenset(proxy_ports)
         self._capture_port = capture_port
         self.destinations = destinations
@@ -232,42 +236,110 @@ class ConnectSupervisor:
             if not self._abstract:
                 return errno.EPERM  # what the command's Landlock scope answers
             return _libc_connect(sock_fd, raw)
-        path = path.split(b"\0", 1)[0]
+        return self._unix_path(sock_fd, path.split(b"\0", 1)[0], pid)
+
+    def _unix_path(self, sock_fd: int, path: bytes, pid: int) -> int:
         if not path:
             return errno.EINVAL
         try:
-            node = _socket_node(pid, path)
+            # The command's root and directory are opened with our rights (a /proc link of
+            # another task's); the walk below them and the connect with the command's own.
+            same = not path.startswith(b"/") and _same_root(pid)
+            base = _view_base(pid, path)
         except OSError as exc:
             return exc.errno or errno.ENOENT
         try:
-            address = f"/proc/self/fd/{node}".encode()
-            return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + address + b"\0")
+            with _thread_credentials(self._as_user):
+                return _connect_in_view(sock_fd, base, path, same_root=same)
+        except OSError as exc:
+            return exc.errno or errno.EACCES
         finally:
-            os.close(node)
+            os.close(base)
 
 
-def _socket_node(pid: int, path: bytes) -> int:
-    """An O_PATH descriptor of the unix socket file `path` names for the command, found in
-    the command's own view: its root (a constructed one has no host sockets) and its working
-    directory, symlinks resolved inside that root, never through a /proc magic link (ours
-    would be the supervisor's). Connecting to /proc/self/fd/N then reaches exactly that
-    node, whatever the path's length. Raises OSError (ENOENT, ELOOP, EXDEV...)."""
-    absolute = path.startswith(b"/")
-    base = os.open(
-        f"/proc/{pid}/{'root' if absolute else 'cwd'}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
-    )
+def _connect_in_view(sock_fd: int, base: int, path: bytes, *, same_root: bool) -> int:
     try:
-        if not absolute and _same_root(pid):
-            # The command sees our root: `..` may climb above its working directory as the
-            # kernel would let it.
-            resolve = staging.RESOLVE_NO_MAGICLINKS
-        else:
-            # A relative path in a view of its own cannot climb above the working directory
-            # (its place in that view is unknown to us).
-            resolve = RESOLVE_IN_ROOT | staging.RESOLVE_NO_MAGICLINKS
-        return staging.openat2(base, os.fsdecode(path.lstrip(b"/") or b"."), os.O_PATH, resolve)
+        node = _socket_node(base, path, same_root=same_root)
+    except OSError as exc:
+        return exc.errno or errno.ENOENT
+    try:
+        address = f"/proc/self/fd/{node}".encode()
+        return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + address + b"\0")
     finally:
-        os.close(base)
+        os.close(node)
+
+
+# Per-thread credential calls (<asm/unistd.h>). glibc's setgroups changes every thread of the
+# process (it signals them all); the raw call, like setfsuid and setfsgid, changes only the
+# calling thread, the supervisor's own, while the proxy's threads keep root's rights.
+_CRED_CALLS: Final = {
+    "x86_64": {"setgroups": 116, "setfsuid": 122, "setfsgid": 123},
+    "aarch64": {"setgroups": 159, "setfsuid": 151, "setfsgid": 152},
+}
+_NO_ID: Final = 0xFFFFFFFF  # (uid_t)-1: setfsuid/setfsgid change nothing, answer the current
+
+
+@contextlib.contextmanager
+def _thread_credentials(ids: tuple[int, int, tuple[int, ...]] | None) -> Iterator[None]:
+    """--user NAME: this thread's filesystem uid and gid and its groups are NAME's for the
+    block (the path walk and connect(2)'s write permission on the socket are checked against
+    them; a change of fsuid from 0 also drops the file capabilities, CAP_DAC_OVERRIDE among
+    them), then root's again. Raises OSError (EPERM) when they cannot be set: the connect is
+    then refused, never made as root."""
+    if ids is None:
+        yield
+        return
+    uid, gid, groups = ids
+    calls = _CRED_CALLS.get(os.uname().machine)
+    if calls is None:
+        raise OSError(errno.EPERM, "no per-thread credential calls for this architecture")
+    saved = os.getgroups()  # the process's, which this thread had until now
+    try:
+        _set_groups(calls["setgroups"], groups)
+        _libc.syscall(calls["setfsgid"], ctypes.c_uint(gid))
+        _libc.syscall(calls["setfsuid"], ctypes.c_uint(uid))
+        now = (
+            _libc.syscall(calls["setfsuid"], ctypes.c_uint(_NO_ID)),
+            _libc.syscall(calls["setfsgid"], ctypes.c_uint(_NO_ID)),
+        )
+        if now != (uid, gid):
+            raise OSError(errno.EPERM, f"could not take uid {uid}'s rights")
+        yield
+    finally:
+        _libc.syscall(calls["setfsuid"], ctypes.c_uint(os.geteuid()))
+        _libc.syscall(calls["setfsgid"], ctypes.c_uint(os.getegid()))
+        _set_groups(calls["setgroups"], tuple(saved))
+
+
+def _set_groups(number: int, groups: Sequence[int]) -> None:
+    array = (ctypes.c_uint * max(len(groups), 1))(*groups)
+    if _libc.syscall(number, ctypes.c_long(len(groups)), array) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setgroups: {os.strerror(err)}")
+
+
+def _view_base(pid: int, path: bytes) -> int:
+    """An O_PATH descriptor of the command's root (absolute `path`) or working directory."""
+    where = "root" if path.startswith(b"/") else "cwd"
+    return os.open(f"/proc/{pid}/{where}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _socket_node(base: int, path: bytes, *, same_root: bool) -> int:
+    """An O_PATH descriptor of the unix socket file `path` names for the command, found from
+    `base` (_view_base; `same_root`: the command's root is ours) in the command's own view:
+    its root (a constructed one has no host sockets) or its working directory, symlinks
+    resolved inside that root, never through a /proc magic link (ours would be the
+    supervisor's). Connecting to /proc/self/fd/N then reaches exactly that node, whatever the
+    path's length. Raises OSError (ENOENT, ELOOP, EXDEV...)."""
+    if same_root:
+        # The command sees our root: `..` may climb above its working directory as the
+        # kernel would let it.
+        resolve = staging.RESOLVE_NO_MAGICLINKS
+    else:
+        # A relative path in a view of its own cannot climb above the working directory
+        # (its place in that view is unknown to us).
+        resolve = RESOLVE_IN_ROOT | staging.RESOLVE_NO_MAGICLINKS
+    return staging.openat2(base, os.fsdecode(path.lstrip(b"/") or b"."), os.O_PATH, resolve)
 
 
 def _same_root(pid: int) -> bool:

@@ -128,6 +128,8 @@ class Launched:
     # when `supervise_connects`; `destinations` is its table, shared with the proxy.
     supervise_connects: bool = False
     abstract_allowed: bool = True
+    # --user NAME: the supervisor connects the command's unix sockets with NAME's rights.
+    run_as: tuple[int, int, tuple[int, ...]] | None = None
     connects: ConnectSupervisor | None = None
     destinations: Destinations | None = None
     connects_off = ""
@@ -177,6 +179,7 @@ class Launched:
             capture_port=self.ports.get("capture") if self.capture is not None else None,
             destinations=self.destinations if self.destinations is not None else Destinations(),
             abstract_allowed=self.abstract_allowed,
+            as_user=self.run_as,
         )
         self.connects.start()
 
@@ -338,6 +341,7 @@ def _supervised(launched: Launched, prepared: Prepared) -> None:
     the one `prepare` bound on the host's loopback, its destinations from the shared table."""
     launched.supervise_connects = True
     launched.abstract_allowed = not prepared.plan.has(Mechanism.LANDLOCK_SCOPE)
+    launched.run_as = prepared.plan.run_as
     launched.destinations = Destinations()
     capture, prepared.host_capture = prepared.host_capture, None
     if capture is not None:
