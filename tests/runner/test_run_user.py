@@ -223,3 +223,25 @@ def test_the_environment_is_names() -> None:
     assert env["HOME"] == account.home
     assert env["USER"] == env["LOGNAME"] == "nobody"
     assert "XDG_CACHE_HOME" not in env
+
+
+def test_user_without_cap_sys_admin_is_refused_with_the_reason(
+    places: tuple[Path, Path], account: tuple[int, int]
+) -> None:
+    """Root without CAP_SYS_ADMIN (dropped for real) makes its namespaces in a user namespace
+    of its own, where only uid 0 is mapped: NAME could not be become there, so --user is
+    refused with the reason and the command never runs."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv is not installed")
+    workspace, state = places
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSBOX_")}
+    env |= {"EGRESSBOX_STATE_DIR": str(state), "EGRESSBOX_PURE": "1"}
+    drop = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", "--"]
+    done = subprocess.run(
+        [*drop, sys.executable, "-m", "egressbox", "run", "--user", TEST_USER, "--", "touch", "ran"],
+        capture_output=True, text=True, env=env, cwd=workspace, stdin=subprocess.DEVNULL,
+        timeout=RUN_TIMEOUT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 126, done.stderr
+    assert "--user needs CAP_SYS_ADMIN" in done.stderr
+    assert not (workspace / "ran").exists()
