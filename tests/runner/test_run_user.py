@@ -237,8 +237,9 @@ def test_user_without_cap_sys_admin_is_refused_with_the_reason(
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSBOX_")}
     env |= {"EGRESSBOX_STATE_DIR": str(state), "EGRESSBOX_PURE": "1"}
     drop = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", "--"]
+    run = [sys.executable, "-m", "egressbox", "run", "--user", TEST_USER, "--", "touch", "ran"]
     done = subprocess.run(
-        [*drop, sys.executable, "-m", "egressbox", "run", "--user", TEST_USER, "--", "touch", "ran"],
+        [*drop, *run],
         capture_output=True, text=True, env=env, cwd=workspace, stdin=subprocess.DEVNULL,
         timeout=RUN_TIMEOUT, check=False,
     )  # fmt: skip
