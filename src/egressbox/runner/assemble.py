@@ -120,6 +120,8 @@ class Prepared:
     guard: Guard | None
     # Why the run does not capture ("" when the launcher is asked to).
     capture_off: str
+    host_capture: socket.socket | None
+    brokering: RunBrokering | None
     # One line per root added beyond the workspace (said before the command starts).
     announcements: list[str]
     # Toolchain cache locations a refusal may name (confine/toolchains.py).
@@ -146,6 +148,23 @@ class Prepared:
         *,
         warnings: list[str] | None = None,
         homes: tuple[str, ...] = (),
+        roots: list[RootReport] | None = None,
+        profile: Profile = DEFAULT_PROFILE,
+        created_watch: tuple[str, ...] = (),
+        guard: Guard | None = None,
+        capture_off: str = "",
+        host_capture: socket.socket | None = None,
+        announcements: list[str] | None = None,
+        caches: tuple[CacheRoot, ...] = (),
+        cache_mode: CacheMode = CacheMode.SCRATCH,
+        foreign_locale: str = "",
+        brokering: RunBrokering | None = None,
+        started: float = 0.0,
+        cleanup: list[str] | None = None,
+        read_only_workspaces: tuple[str, ...] = (),
+        stage: Stage | None = None,
+        workspace: str = "direct",
+        workspace_detail: str = "",
     ) -> None:
         self.plan = plan
         self.report = report
@@ -153,26 +172,26 @@ class Prepared:
         self.network_boundary = network_boundary
         self.warnings = [] if warnings is None else warnings
         self.homes = homes
-        self.roots = []
-        self.profile = DEFAULT_PROFILE
-        self.created_watch = ()
-        self.guard = None
-        self.capture_off = ""
+        self.roots = [] if roots is None else roots
+        self.profile = profile
+        self.created_watch = created_watch
+        self.guard = guard
+        self.capture_off = capture_off
         # Without a namespace, with the connect supervisor: the capture listener on the host's
         # loopback (runner/spawn.py gives it to the proxy).
-        self.host_capture: socket.socket | None = None
-        self.announcements = []
-        self.caches = ()
-        self.cache_mode = CacheMode.SCRATCH
-        self.foreign_locale = ""
+        self.host_capture = host_capture
+        self.announcements = [] if announcements is None else announcements
+        self.caches = caches
+        self.cache_mode = cache_mode
+        self.foreign_locale = foreign_locale
         # The run's placeholders and CA (runner/brokering.py), for the proxy; None: none.
-        self.brokering: RunBrokering | None = None
-        self.started = 0.0
-        self.cleanup = []
-        self.read_only_workspaces = ()
-        self.stage = None
-        self.workspace = "direct"
-        self.workspace_detail = ""
+        self.brokering = brokering
+        self.started = started
+        self.cleanup = [] if cleanup is None else cleanup
+        self.read_only_workspaces = read_only_workspaces
+        self.stage = stage
+        self.workspace = workspace
+        self.workspace_detail = workspace_detail
 
 
 class _Roots(NamedTuple):
@@ -318,12 +337,15 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         kept = tuple(p for p in plan.world.read_only if p not in set(trusted))
         world = plan.world._replace(read_only=kept)
         plan = plan._replace(staged=staged.stage.layer.spec(staged.direct), world=world)
+    host_capture: socket.socket | None = None
     try:
         if Mechanism.SECCOMP in chosen:
             plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
         if supervised:
             plan = _supervised(plan)
-        prepared = _finish(
+        if supervised and not capture_off:
+            host_capture = _host_capture()
+        return _finish(
             options,
             start,
             plan,
@@ -334,20 +356,14 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
             capture_off=capture_off,
             listeners=listeners,
             env=env,
+            notes=notes,
+            host_capture=host_capture,
         )
     except BaseException:
+        if host_capture is not None:
+            host_capture.close()
         abandon(staged.stage)
         raise
-    if options.announce:
-        prepared.announcements += notes
-    if supervised and not capture_off:
-        prepared.host_capture = _host_capture()
-    return _with_brokering(prepared, start.brokering)
-
-
-def _with_brokering(prepared: Prepared, brokering: RunBrokering | None) -> Prepared:
-    prepared.brokering = brokering
-    return prepared
 
 
 def _brokering(options: RunOptions, mounts: bool, warnings: list[str]) -> RunBrokering | None:
@@ -417,6 +433,8 @@ def _finish(
     capture_off: str,
     listeners: list[socket.socket],
     env: dict[str, str],
+    notes: list[str],
+    host_capture: socket.socket | None,
 ) -> Prepared:
     profile, chosen, warnings, executable = (
         start.profile,
@@ -427,23 +445,35 @@ def _finish(
     home, files = start.home, Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
     report, network = enforcement_report(profile, chosen, capture_off=capture_off)
     homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
-    prepared = Prepared(plan, report, listeners, network, warnings=warnings, homes=homes)
-    prepared.roots = _root_report(roots, executable.grants)
-    prepared.profile = profile
-    prepared.created_watch = tuple(p for p in trusted if not os.path.lexists(p))
-    prepared.capture_off = capture_off
-    prepared.announcements = _announcements(options, roots, files, home) if options.announce else []
-    prepared.caches = caches.roots
-    prepared.cache_mode = CacheMode(options.toolchain_cache)
-    prepared.foreign_locale = _message_locale(env)
-    prepared.started = time.time()
-    prepared.cleanup = start.cleanup
     layout = roots.layout
-    prepared.read_only_workspaces = layout.workspaces if layout.read_only else ()
-    prepared.guard = _guard(options, layout, roots, trusted, home, staged=staged)
-    prepared.stage = staged.stage
-    prepared.workspace, prepared.workspace_detail = staged.mode, staged.detail
-    return prepared
+    announcements = (
+        [*_announcements(options, roots, files, home), *notes] if options.announce else []
+    )
+    return Prepared(
+        plan,
+        report,
+        listeners,
+        network,
+        warnings=warnings,
+        homes=homes,
+        roots=_root_report(roots, executable.grants),
+        profile=profile,
+        created_watch=tuple(p for p in trusted if not os.path.lexists(p)),
+        capture_off=capture_off,
+        host_capture=host_capture,
+        announcements=announcements,
+        caches=caches.roots,
+        cache_mode=CacheMode(options.toolchain_cache),
+        foreign_locale=_message_locale(env),
+        brokering=start.brokering,
+        started=time.time(),
+        cleanup=start.cleanup,
+        read_only_workspaces=layout.workspaces if layout.read_only else (),
+        guard=_guard(options, layout, roots, trusted, home, staged=staged),  # after the rest
+        stage=staged.stage,
+        workspace=staged.mode,
+        workspace_detail=staged.detail,
+    )
 
 
 class _Staged(NamedTuple):
