@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from egressbox.confine import netns
+from egressbox.confine import face
 from egressbox.confine.cgroup import CgroupPlan
 from egressbox.confine.env import (
     PORT_TEMPLATES,
@@ -28,7 +28,6 @@ from egressbox.confine.executable import Executable, resolve_command
 from egressbox.confine.launcher import LaunchPlan, give_directories
 from egressbox.confine.plan import (
     ADMIT_HINT,
-    CAPTURE_FILES,
     CREDENTIALS,
     DEFAULT_PROFILE,
     HOST_NEEDS,
@@ -42,14 +41,12 @@ from egressbox.confine.plan import (
     Mechanism,
     Profile,
     Refusal,
-    WorldSpec,
     bound_socket_paths,
     choose_mechanisms,
     expand_user,
     host_trusted,
     is_under,
     plan_filesystem,
-    socket_bind_roots,
     sockets_to_hide,
     tmpfs_sizes,
     wanted,
@@ -312,11 +309,12 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
             "filesystem rules, which keep their other files read-only"
         )
     capture_off = _capture_off(options, chosen, facts)
-    listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
+    listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else face.bind_host_listeners()
     supervised = Mechanism.NETWORK_NAMESPACE not in chosen and not _connects_off(chosen)
     plan = _launch_plan(
         options,
         chosen,
+        facts=facts,
         profile=profile,
         executable=executable,
         env=start.brokering.child_env(env) if start.brokering else env,
@@ -344,7 +342,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         if supervised:
             plan = _supervised(plan)
         if supervised and not capture_off:
-            host_capture = _host_capture()
+            host_capture = face.bind_host_capture()
         return _finish(
             options,
             start,
@@ -406,19 +404,6 @@ def _supervised(plan: LaunchPlan) -> LaunchPlan:
     if plan.capture and program:
         program = _compiled_seccomp(allow_udp=False)
     return plan._replace(connect_filter=notify.program(), seccomp_program=program, capture=False)
-
-
-def _host_capture() -> socket.socket:
-    """The capture listener on the host's loopback: the connect supervisor connects every
-    command socket bound elsewhere to it (the proxy learns the destination from its table)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(socket.SOMAXCONN)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def _finish(
@@ -769,6 +754,7 @@ def _launch_plan(
     options: RunOptions,
     chosen: frozenset[Mechanism],
     *,
+    facts: HostFacts,
     profile: Profile,
     executable: Executable,
     env: dict[str, str],
@@ -780,72 +766,50 @@ def _launch_plan(
     capture_off: str,
     copies: tuple[tuple[str, str], ...] = (),
 ) -> LaunchPlan:
+    """The run's request to confinement, with what it reads of the host, then its plan."""
     mounts = Mechanism.MOUNT_NAMESPACE in chosen
-    capture = not capture_off
     socket_roots = roots.sockets
-    writable = (*roots.layout.writable, *roots.process_write)
-    # A read grant inside a writable root adds nothing (a venv in the workspace stays
-    # writable); read-only roots nested in writable ones are fs.read_only_inside_write.
-    readable = [p for p in (*fs.read, *socket_roots) if not any(is_under(p, w) for w in writable)]
-    # Only socket roots admit a socket: a bind there (read-write bind, Landlock admitting the
-    # making of a socket and no other write) and a connect; a live socket under any other
-    # grant is covered (plan.py sockets_to_hide). Without Landlock's filesystem rules a
-    # read-write bind would make the socket root writable: it stays read-only (connect only).
-    landlock = Mechanism.LANDLOCK_FS in chosen
-    socket_bind = socket_bind_roots(socket_roots, fs.write, writable) if landlock else ()
+    workspaces, process_write = roots.layout.writable, roots.process_write
+    readable, writable = face.granted_paths(fs, workspaces, process_write, socket_roots)
     hidden = live_sockets((*readable, *writable), socket_roots) if mounts else ()
     # One memory figure for the run: a cgroup where the host delegates one; the private file
     # systems' sizes fit in it either way (confine/plan.py tmpfs_sizes).
     budget = options.max_memory or _half_the_memory()
     tmp, shm = tmpfs_sizes(budget)
     group, group_off = _cgroup(budget, options.max_processes)
-    world = WorldSpec(
-        grants=(*((p, False) for p in readable), *((p, True) for p in writable)),
-        read_only=fs.read_only_inside_write,
-        mask=(*fs.deny, *hidden),
-        socket_roots=socket_roots,
-        socket_bind=socket_bind if mounts else (),
-        scratch=(scratch.tmp, scratch.cache) if scratch is not None and mounts else (),
-        cwd=os.path.realpath(options.cwd or os.getcwd()),
-        protect_kernel=os.getuid() == 0,
-        max_processes=options.max_processes,
-        tmp_size=str(tmp),
-        shm_size=str(shm),
-        # Captured: the child's resolver asks egressbox's DNS inside the namespace.
-        # and the tools' configuration files as clean copies (confine/clean.py).
-        files=(*(CAPTURE_FILES if capture else ()), *copies),
-    )
-    # The read-only workspace's scratch is in the view's private /tmp: Landlock must let the
-    # command write there whatever the presets say (it is never bound from the host).
-    read_only = roots.layout.read_only and mounts
-    return LaunchPlan(
+    request = face.Request(
         argv=options.argv,
         executable=executable.path,
-        cwd=world.cwd,
+        cwd=os.path.realpath(options.cwd or os.getcwd()),
         env=env,
-        mechanisms=tuple(sorted(m.value for m in chosen)),
-        uid=os.getuid(),
-        gid=os.getgid(),
-        host_ports=tuple(s.getsockname()[1] for s in listeners),
-        read=(*fs.read, *socket_roots),
-        write=(*fs.write, READ_ONLY_SCRATCH) if read_only else fs.write,
-        deny=fs.deny,
-        read_only_inside_write=fs.read_only_inside_write,
-        sockets=socket_bind,
+        env_ports=templates,
+        mechanisms=chosen,
+        profile=profile,
+        fs=fs,
+        workspaces=workspaces,
+        process_write=process_write,
+        socket_roots=socket_roots,
+        read_only_scratch=READ_ONLY_SCRATCH if roots.layout.read_only else "",
+        scratch=scratch,
+        hidden_sockets=hidden,
         allow_loopback=options.allow_loopback,
         pass_fds=options.pass_fds,
         rlimit_nofile=options.rlimit_nofile,
         rlimit_as=options.rlimit_as,
-        rlimit_nproc=options.max_processes,
-        rlimit_data=budget,
+        max_processes=options.max_processes,
+        memory=budget,
+        tmp_size=tmp,
+        shm_size=shm,
         cgroup=group,
         cgroup_off=group_off,
-        best_effort=profile is not Profile.OS_HARDENED,
-        env_ports=templates,
+        host_ports=tuple(s.getsockname()[1] for s in listeners),
+        uid=os.getuid(),
+        gid=os.getgid(),
         parent_pid=os.getpid(),
-        world=world if mounts else None,
-        capture=capture,
+        capture=not capture_off,
+        copies=copies,
     )
+    return face.plan(request, facts)
 
 
 def live_sockets(granted: Sequence[str], socket_roots: Sequence[str]) -> tuple[str, ...]:
@@ -1396,23 +1360,6 @@ def _write_ignore(base: int) -> None:
         return
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write("# egressbox scratch space (temp files and caches)\n*\n")
-
-
-def _host_listeners() -> list[socket.socket]:
-    # No network namespace: the proxy listens on the host's loopback and
-    # Landlock ports plus seccomp hold the child to those port numbers.
-    listeners: list[socket.socket] = []
-    try:
-        for _ in range(2):
-            listeners.append(netns.bind_listener("127.0.0.1", 0))
-    except OSError as exc:
-        for sock in listeners:
-            sock.close()
-        # e.g. inside another run's Landlock domain, which refuses every bind
-        raise EgressboxError(
-            f"cannot listen on 127.0.0.1 for the proxy: {exc.strerror or exc}"
-        ) from None
-    return listeners
 
 
 def enforcement_report(
