@@ -283,6 +283,8 @@ def _workers(text: str) -> int:
 
 
 def _add_run(sub: Subparsers) -> None:
+    from egressbox.runner.flags import RUN_FLAGS
+
     p = sub.add_parser(
         "run",
         help="run a command confined behind a managed proxy",
@@ -292,229 +294,24 @@ def _add_run(sub: Subparsers) -> None:
         "CMD's (128+N when it dies from signal N), 126 when the profile's required "
         "confinement is unavailable, 127 when CMD is not found.",
     )
-    p.add_argument(
-        "--policy",
-        metavar="FILE",
-        help="policy file (TOML); default: the project root's egressbox.toml once you have run "
-        f"with it as --policy; without either and without {ENV_ALLOW}, every destination is "
-        "denied",
-    )
-    p.add_argument(
-        "--profile",
-        default=None,
-        choices=["unrestricted", "worktree", "os_hardened", "workspace_paths"],
-        help="how strictly to confine (default worktree; the stricter of this and [process] "
-        "profile of --policy wins; os_hardened refuses to run without every mechanism; "
-        "workspace_paths is a deprecated name of worktree)",
-    )
-    p.add_argument(
-        "--no-sandbox",
-        action="store_true",
-        help="Harn's name for --profile unrestricted: no filesystem rules (said on stderr); "
-        "the network boundary stays; refused with a root flag, as in Harn",
-    )
-    p.add_argument(
-        "--allow-process-network",
-        action="store_true",
-        help="Harn's flag, accepted: the command always reaches the network through the "
-        "proxy only, under the policy (nothing more opens)",
-    )
-    p.add_argument(
-        "--read-root",
-        "--read-only-root",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a directory the command may read (repeatable; added to [filesystem] read_roots)",
-    )
-    p.add_argument(
-        "--write-root",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a directory the command may write (repeatable; added to [filesystem] write_roots; "
-        "default: the project root above the current directory, the nearest holding .git or "
-        "egressbox.toml, else the current directory)",
-    )
-    p.add_argument(
-        "--process-read-root",
-        "--sandbox-read-root",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a directory the command's tools may read, e.g. a cache (repeatable; added to "
-        "[filesystem] process_read_roots); not a workspace",
-    )
-    p.add_argument(
-        "--process-write-root",
-        "--sandbox-write-root",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a directory the command's tools may write, e.g. ~/.cache/pip (repeatable; added "
-        "to [filesystem] process_write_roots); not a workspace: never the default directory, "
-        "TMPDIR or a cache location",
-    )
-    p.add_argument(
-        "--env",
-        dest="env_policy",
-        default=None,
-        choices=["inherited", "isolated", "granted"],
-        help="which environment variables pass to the command (default: [env] policy of "
-        "--policy, else inherited)",
-    )
-    p.add_argument(
-        "--grant",
-        action="append",
-        default=[],
-        metavar="NAME[=VALUE]",
-        help="pass this variable (or set it) in the command's environment, also one that "
-        "--env inherited holds back as a credential (repeatable)",
-    )
-    p.add_argument(
-        "--env-remove",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="leave this variable of yours out of the command's environment (repeatable)",
-    )
-    p.add_argument(
-        "--grant-file",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="pass this file as it is, credentials included (repeatable): a configuration "
-        "file the presets grant is otherwise a clean copy, and a credential file absent",
-    )
-    p.add_argument(
-        "--allow-loopback",
-        "--allow-process-loopback",
-        action="store_true",
-        help="let the command run and reach its own TCP servers on its private lo ([process] "
-        "allow_tcp_loopback)",
-    )
-    p.add_argument(
-        "--unix-socket-root",
-        "--sandbox-unix-socket-root",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="let the command connect to the unix sockets under PATH and bind its own there "
-        "(its other files stay read-only; repeatable; added to [filesystem] "
-        "unix_socket_roots); a socket under any other root cannot be connected to",
-    )
-    p.add_argument(
-        "--writable-trusted",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="let the command write PATH although the host trusts it (.git/hooks, "
-        ".git/config, .envrc, shell start-up and editor task files are read-only by "
-        "default; repeatable; added to [filesystem] writable_trusted)",
-    )
-    p.add_argument(
-        "--read-only-workspace",
-        action="store_true",
-        help="the workspace may be read, nothing in it written (TMPDIR and tool caches live "
-        'outside it for the run); [filesystem] workspace = "read-only" says the same',
-    )
-    p.add_argument(
-        "--toolchain-cache",
-        choices=["scratch", "real"],
-        default=None,
-        help="where Go, Cargo, npm, pnpm, Yarn, pip, uv, Gradle and Maven keep their caches: "
-        "the run's scratch space (default), or their real ones under your home, read+write "
-        "(shared with the command, which could poison them); [filesystem] toolchain_cache",
-    )
-    p.add_argument(
-        "--allow-direct-network",
-        action="store_true",
-        help="run even where neither a network namespace nor Landlock TCP rules can hold "
-        "the command to the proxy (its network is then unconfined)",
-    )
-    p.add_argument(
-        "--no-capture",
-        action="store_true",
-        help="do not capture: by default every TCP connection the command makes reaches the "
-        "proxy, proxy variables or not, and its DNS is answered inside its namespace (where "
-        "the host allows it: egressbox doctor, row capture); without it only the proxy "
-        "variables lead anywhere",
-    )
-    p.add_argument(
-        "--user",
-        metavar="NAME",
-        help="started as root (sudo): set the run up with root's rights, so every namespace "
-        "works whatever the host allows users, and run CMD as NAME (its uid, gid, groups and "
-        "HOME); the files it writes are NAME's",
-    )
-    p.add_argument(
-        "--pass-fd",
-        action="append",
-        type=int,
-        default=[],
-        metavar="N",
-        help="keep descriptor N open in the command (repeatable)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=_seconds,
-        default=None,
-        metavar="SECONDS",
-        help="stop the command after SECONDS (SIGTERM, SIGKILL 5 s later); the exit code is "
-        "then 124 (default: [process] timeout of --policy, else none)",
-    )
-    p.add_argument("--audit-log", metavar="FILE", help="append audit records to FILE")
-    p.add_argument(
-        "--workspace",
-        choices=["staged", "direct"],
-        default=None,
-        help="staged (default): the command's writes to its write roots land in a layer that "
-        "is applied when it exits, except host-trusted files (git config and hooks, in a new "
-        "repository too, a replaced .git, shell start-up files, .envrc, .vscode, .idea, "
-        "egressbox's own), which are held back and named; direct: it writes the host's "
-        "files live",
-    )
-    p.add_argument(
-        "--review",
-        action="store_true",
-        help="keep the whole staged layer: apply nothing, then look with egressbox changes, "
-        "and egressbox apply or egressbox discard",
-    )
-    p.add_argument(
-        "--report-only",
-        action="store_true",
-        help="report mode: names outside the allow list pass, audited as would_deny",
-    )
-    p.add_argument(
-        "--report",
-        action="store_true",
-        help="print what each confinement mechanism enforced, on stderr",
-    )
-    p.add_argument(
-        "--quiet", "-q", action="store_true", help="no per-connection lines, not even refusals"
-    )
-    p.add_argument(
-        "--verbose",
-        "-v",
-        action="store_true",
-        help="a line per allowed connection too (by default only refusals: the audit log has all)",
-    )
-    asking = p.add_mutually_exclusive_group()
-    asking.add_argument(
-        "--ask",
-        action="store_true",
-        help="when the command asks for a destination no allow entry admits, ask at this "
-        "terminal (deny, once, session) instead of refusing; stdin must be a terminal",
-    )
-    asking.add_argument(
-        "--ask-command",
-        metavar="CMD",
-        help="ask CMD instead of the terminal (the protocol of serve --ask-command)",
-    )
-    _add_ask_common(p)
-    _add_upstream(p)
-    _add_nameserver(p)
-    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+    shared = {"ask_common": _add_ask_common, "upstream": _add_upstream}
+    shared["nameserver"] = _add_nameserver
+    groups: dict[str, Any] = {}
+    for flag in RUN_FLAGS:  # declared once, with the keyword each sets (runner/flags.py)
+        if flag.shared:
+            add = shared.pop(flag.shared, None)  # a helper adds its flags once
+            if add is not None:
+                add(p)
+            continue
+        target: Any = p
+        if flag.group:
+            if flag.group not in groups:
+                groups[flag.group] = p.add_mutually_exclusive_group()
+            target = groups[flag.group]
+        kwargs = dict(flag.argparse)
+        if "type" in kwargs:
+            kwargs["type"] = _ARG_TYPES[kwargs["type"]]
+        target.add_argument(*flag.names, **kwargs)
 
 
 def _seconds(text: str) -> float:
@@ -525,6 +322,10 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
     return value
+
+
+# The converters runner/flags.py names by "type".
+_ARG_TYPES: dict[str, Any] = {"seconds": _seconds, "int": int}
 
 
 def _add_check(sub: Subparsers) -> None:

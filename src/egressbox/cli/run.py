@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from egressbox.confine.env import parse_grant
 from egressbox.confine.executable import CommandNotFoundError
 from egressbox.core.errors import EgressboxError
 from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
@@ -15,7 +17,7 @@ from egressbox.runner.options import (
     RunOptions,
     RunRefusedError,
     RunResult,
-    with_settings,
+    options_for,
     write_err,
 )
 from egressbox.runner.spawn import LaunchFailedError
@@ -184,57 +186,30 @@ def _cli_run_settings(args: Any) -> RunSettings | int | None:
 def _cli_options(
     args: Any, argv: list[str], settings: RunSettings | None = None
 ) -> RunOptions | None:
-    from egressbox.confine.env import parse_grant
-
+    """The parsed `run` flags as RunOptions, through options_for() as the library's own are;
+    None after a usage error (said on stderr)."""
     if _cli_upstream(args) is not None:
         return None
+    own = (args.policy, args.audit_log, getattr(args, "save_approved", None))
     try:
-        grants = dict(parse_grant(text) for text in args.grant)
-        servers = _nameservers(args.nameserver)
-        chosen = with_settings(
-            settings,
-            profile=args.profile,
-            env=args.env_policy,
-            write_roots=args.write_root,
-            read_roots=args.read_root,
-            process_read_roots=args.process_read_root,
-            process_write_roots=args.process_write_root,
-            unix_socket_roots=args.unix_socket_root,
-            writable_trusted=args.writable_trusted,
-            grants=grants,
-            timeout=args.timeout,
-            read_only_workspace=getattr(args, "read_only_workspace", False),
-            toolchain_cache=getattr(args, "toolchain_cache", None),
-            workspace=getattr(args, "workspace", None),
-            allow_loopback=args.allow_loopback,
+        options = options_for(
+            argv,
+            policy=None,  # loaded while the launcher starts (run_options_sync's policy_loader)
+            run_settings=settings,
+            trusted_files=tuple(p for p in own if p and p != "-"),
+            **_keywords(args),
         )
     except ValueError as exc:
         write_err(str(exc))
         return None
-    for path in chosen["writable_trusted"]:
+    for path in options.writable_trusted:
         write_err(f"warning: {path} is host-trusted; the command may write it (--writable-trusted)")
-    own = (args.policy, args.audit_log, getattr(args, "save_approved", None))
-    trusted = tuple(p for p in own if p and p != "-")
     asking = _asking(args)
     if asking is None:
         return None
-    return RunOptions(
-        argv=tuple(argv),
-        policy=None,
-        allow_direct_network=args.allow_direct_network,
-        pass_fds=tuple(args.pass_fd),
-        nameservers=servers,
-        trusted_files=trusted,
-        grant_files=tuple(getattr(args, "grant_file", ())),
-        log_allowed=getattr(args, "verbose", False),
-        capture=not getattr(args, "no_capture", False),
-        announce=not args.quiet,
-        env_remove=tuple(getattr(args, "env_remove", ())),
-        review=getattr(args, "review", False),
-        user=getattr(args, "user", None),
-        **asking,
-        **chosen,
-    )
+    # The question on a miss is made once the rest is known to be good: making it holds
+    # --save-approved's directory.
+    return options._replace(**asking) if asking else options
 
 
 def _asking(args: Any) -> dict[str, Any] | None:
@@ -309,6 +284,33 @@ def _nameservers(texts: Sequence[str]) -> tuple[tuple[str, int], ...]:
     from egressbox.net.resolve import parse_nameserver
 
     return tuple(parse_nameserver(text) for text in texts)
+
+
+# Keywords the flags give as other than their parsed value (runner/flags.py names the keyword
+# of each flag): --grant's words, --nameserver's addresses, and the flags that say "not".
+_CONVERTED: dict[str, Callable[[Any], Any]] = {
+    "grants": lambda texts: dict(parse_grant(text) for text in texts),
+    "nameservers": _nameservers,
+    "capture": operator.not_,  # --no-capture
+    "announce": operator.not_,  # --quiet
+}
+# Set apart from the rest: the command (after --) and the question on a miss (_asking).
+_APART = frozenset({"cmd", "on_miss", "ask_timeout"})
+
+
+def _keywords(args: Any) -> dict[str, Any]:
+    """options_for()'s keywords from the parsed flags, each as runner/flags.py maps it; a
+    flag the namespace lacks keeps the library's default."""
+    from egressbox.runner.flags import RUN_FLAGS, dest
+
+    keywords: dict[str, Any] = {}
+    for flag in RUN_FLAGS:
+        if not flag.keyword or flag.keyword in _APART or not hasattr(args, dest(flag)):
+            continue
+        value = getattr(args, dest(flag))
+        convert = _CONVERTED.get(flag.keyword)
+        keywords[flag.keyword] = convert(value) if convert is not None else value
+    return keywords
 
 
 def _diagnostic(line: str) -> None:

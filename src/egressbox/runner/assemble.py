@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from egressbox.confine import netns
+from egressbox.confine import face
 from egressbox.confine.cgroup import CgroupPlan
 from egressbox.confine.env import (
     PORT_TEMPLATES,
@@ -28,7 +28,6 @@ from egressbox.confine.executable import Executable, resolve_command
 from egressbox.confine.launcher import LaunchPlan, give_directories
 from egressbox.confine.plan import (
     ADMIT_HINT,
-    CAPTURE_FILES,
     CREDENTIALS,
     DEFAULT_PROFILE,
     HOST_NEEDS,
@@ -43,14 +42,12 @@ from egressbox.confine.plan import (
     Mechanism,
     Profile,
     Refusal,
-    WorldSpec,
     bound_socket_paths,
     choose_mechanisms,
     expand_user,
     host_trusted,
     is_under,
     plan_filesystem,
-    socket_bind_roots,
     sockets_to_hide,
     tmpfs_sizes,
     wanted,
@@ -121,6 +118,8 @@ class Prepared:
     guard: Guard | None
     # Why the run does not capture ("" when the launcher is asked to).
     capture_off: str
+    host_capture: socket.socket | None
+    brokering: RunBrokering | None
     # One line per root added beyond the workspace (said before the command starts).
     announcements: list[str]
     # Toolchain cache locations a refusal may name (confine/toolchains.py).
@@ -147,6 +146,23 @@ class Prepared:
         *,
         warnings: list[str] | None = None,
         homes: tuple[str, ...] = (),
+        roots: list[RootReport] | None = None,
+        profile: Profile = DEFAULT_PROFILE,
+        created_watch: tuple[str, ...] = (),
+        guard: Guard | None = None,
+        capture_off: str = "",
+        host_capture: socket.socket | None = None,
+        announcements: list[str] | None = None,
+        caches: tuple[CacheRoot, ...] = (),
+        cache_mode: CacheMode = CacheMode.SCRATCH,
+        foreign_locale: str = "",
+        brokering: RunBrokering | None = None,
+        started: float = 0.0,
+        cleanup: list[str] | None = None,
+        read_only_workspaces: tuple[str, ...] = (),
+        stage: Stage | None = None,
+        workspace: str = "direct",
+        workspace_detail: str = "",
     ) -> None:
         self.plan = plan
         self.report = report
@@ -154,26 +170,26 @@ class Prepared:
         self.network_boundary = network_boundary
         self.warnings = [] if warnings is None else warnings
         self.homes = homes
-        self.roots = []
-        self.profile = DEFAULT_PROFILE
-        self.created_watch = ()
-        self.guard = None
-        self.capture_off = ""
+        self.roots = [] if roots is None else roots
+        self.profile = profile
+        self.created_watch = created_watch
+        self.guard = guard
+        self.capture_off = capture_off
         # Without a namespace, with the connect supervisor: the capture listener on the host's
         # loopback (runner/spawn.py gives it to the proxy).
-        self.host_capture: socket.socket | None = None
-        self.announcements = []
-        self.caches = ()
-        self.cache_mode = CacheMode.SCRATCH
-        self.foreign_locale = ""
+        self.host_capture = host_capture
+        self.announcements = [] if announcements is None else announcements
+        self.caches = caches
+        self.cache_mode = cache_mode
+        self.foreign_locale = foreign_locale
         # The run's placeholders and CA (runner/brokering.py), for the proxy; None: none.
-        self.brokering: RunBrokering | None = None
-        self.started = 0.0
-        self.cleanup = []
-        self.read_only_workspaces = ()
-        self.stage = None
-        self.workspace = "direct"
-        self.workspace_detail = ""
+        self.brokering = brokering
+        self.started = started
+        self.cleanup = [] if cleanup is None else cleanup
+        self.read_only_workspaces = read_only_workspaces
+        self.stage = stage
+        self.workspace = workspace
+        self.workspace_detail = workspace_detail
 
 
 class _Roots(NamedTuple):
@@ -294,11 +310,12 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
             "filesystem rules, which keep their other files read-only"
         )
     capture_off = _capture_off(options, chosen, facts)
-    listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else _host_listeners()
+    listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else face.bind_host_listeners()
     supervised = Mechanism.NETWORK_NAMESPACE not in chosen and not _connects_off(chosen)
     plan = _launch_plan(
         options,
         chosen,
+        facts=facts,
         profile=profile,
         executable=executable,
         env=start.brokering.child_env(env) if start.brokering else env,
@@ -319,12 +336,15 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         kept = tuple(p for p in plan.world.read_only if p not in set(trusted))
         world = plan.world._replace(read_only=kept)
         plan = plan._replace(staged=staged.stage.layer.spec(staged.direct), world=world)
+    host_capture: socket.socket | None = None
     try:
         if Mechanism.SECCOMP in chosen:
             plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
         if supervised:
             plan = _supervised(plan)
-        prepared = _finish(
+        if supervised and not capture_off:
+            host_capture = face.bind_host_capture()
+        return _finish(
             options,
             start,
             plan,
@@ -335,20 +355,14 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
             capture_off=capture_off,
             listeners=listeners,
             env=env,
+            notes=notes,
+            host_capture=host_capture,
         )
     except BaseException:
+        if host_capture is not None:
+            host_capture.close()
         abandon(staged.stage)
         raise
-    if options.announce:
-        prepared.announcements += notes
-    if supervised and not capture_off:
-        prepared.host_capture = _host_capture()
-    return _with_brokering(prepared, start.brokering)
-
-
-def _with_brokering(prepared: Prepared, brokering: RunBrokering | None) -> Prepared:
-    prepared.brokering = brokering
-    return prepared
 
 
 def _brokering(options: RunOptions, mounts: bool, warnings: list[str]) -> RunBrokering | None:
@@ -393,19 +407,6 @@ def _supervised(plan: LaunchPlan) -> LaunchPlan:
     return plan._replace(connect_filter=notify.program(), seccomp_program=program, capture=False)
 
 
-def _host_capture() -> socket.socket:
-    """The capture listener on the host's loopback: the connect supervisor connects every
-    command socket bound elsewhere to it (the proxy learns the destination from its table)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(socket.SOMAXCONN)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def _finish(
     options: RunOptions,
     start: _Start,
@@ -418,6 +419,8 @@ def _finish(
     capture_off: str,
     listeners: list[socket.socket],
     env: dict[str, str],
+    notes: list[str],
+    host_capture: socket.socket | None,
 ) -> Prepared:
     profile, chosen, warnings, executable = (
         start.profile,
@@ -428,23 +431,35 @@ def _finish(
     home, files = start.home, Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
     report, network = enforcement_report(profile, chosen, capture_off=capture_off)
     homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
-    prepared = Prepared(plan, report, listeners, network, warnings=warnings, homes=homes)
-    prepared.roots = _root_report(roots, executable.grants)
-    prepared.profile = profile
-    prepared.created_watch = tuple(p for p in trusted if not os.path.lexists(p))
-    prepared.capture_off = capture_off
-    prepared.announcements = _announcements(options, roots, files, home) if options.announce else []
-    prepared.caches = caches.roots
-    prepared.cache_mode = CacheMode(options.toolchain_cache)
-    prepared.foreign_locale = _message_locale(env)
-    prepared.started = time.time()
-    prepared.cleanup = start.cleanup
     layout = roots.layout
-    prepared.read_only_workspaces = layout.workspaces if layout.read_only else ()
-    prepared.guard = _guard(options, layout, roots, trusted, home, staged=staged)
-    prepared.stage = staged.stage
-    prepared.workspace, prepared.workspace_detail = staged.mode, staged.detail
-    return prepared
+    announcements = (
+        [*_announcements(options, roots, files, home), *notes] if options.announce else []
+    )
+    return Prepared(
+        plan,
+        report,
+        listeners,
+        network,
+        warnings=warnings,
+        homes=homes,
+        roots=_root_report(roots, executable.grants),
+        profile=profile,
+        created_watch=tuple(p for p in trusted if not os.path.lexists(p)),
+        capture_off=capture_off,
+        host_capture=host_capture,
+        announcements=announcements,
+        caches=caches.roots,
+        cache_mode=CacheMode(options.toolchain_cache),
+        foreign_locale=_message_locale(env),
+        brokering=start.brokering,
+        started=time.time(),
+        cleanup=start.cleanup,
+        read_only_workspaces=layout.workspaces if layout.read_only else (),
+        guard=_guard(options, layout, roots, trusted, home, staged=staged),  # after the rest
+        stage=staged.stage,
+        workspace=staged.mode,
+        workspace_detail=staged.detail,
+    )
 
 
 class _Staged(NamedTuple):
@@ -774,6 +789,7 @@ def _launch_plan(
     options: RunOptions,
     chosen: frozenset[Mechanism],
     *,
+    facts: HostFacts,
     profile: Profile,
     executable: Executable,
     env: dict[str, str],
@@ -785,72 +801,50 @@ def _launch_plan(
     capture_off: str,
     copies: tuple[tuple[str, str], ...] = (),
 ) -> LaunchPlan:
+    """The run's request to confinement, with what it reads of the host, then its plan."""
     mounts = Mechanism.MOUNT_NAMESPACE in chosen
-    capture = not capture_off
     socket_roots = roots.sockets
-    writable = (*roots.layout.writable, *roots.process_write)
-    # A read grant inside a writable root adds nothing (a venv in the workspace stays
-    # writable); read-only roots nested in writable ones are fs.read_only_inside_write.
-    readable = [p for p in (*fs.read, *socket_roots) if not any(is_under(p, w) for w in writable)]
-    # Only socket roots admit a socket: a bind there (read-write bind, Landlock admitting the
-    # making of a socket and no other write) and a connect; a live socket under any other
-    # grant is covered (plan.py sockets_to_hide). Without Landlock's filesystem rules a
-    # read-write bind would make the socket root writable: it stays read-only (connect only).
-    landlock = Mechanism.LANDLOCK_FS in chosen
-    socket_bind = socket_bind_roots(socket_roots, fs.write, writable) if landlock else ()
+    workspaces, process_write = roots.layout.writable, roots.process_write
+    readable, writable = face.granted_paths(fs, workspaces, process_write, socket_roots)
     hidden = live_sockets((*readable, *writable), socket_roots) if mounts else ()
     # One memory figure for the run: a cgroup where the host delegates one; the private file
     # systems' sizes fit in it either way (confine/plan.py tmpfs_sizes).
     budget = options.max_memory or _half_the_memory()
     tmp, shm = tmpfs_sizes(budget)
     group, group_off = _cgroup(budget, options.max_processes)
-    world = WorldSpec(
-        grants=(*((p, False) for p in readable), *((p, True) for p in writable)),
-        read_only=fs.read_only_inside_write,
-        mask=(*fs.deny, *hidden),
-        socket_roots=socket_roots,
-        socket_bind=socket_bind if mounts else (),
-        scratch=(scratch.tmp, scratch.cache) if scratch is not None and mounts else (),
-        cwd=os.path.realpath(options.cwd or os.getcwd()),
-        protect_kernel=os.getuid() == 0,
-        max_processes=options.max_processes,
-        tmp_size=str(tmp),
-        shm_size=str(shm),
-        # Captured: the child's resolver asks egressbox's DNS inside the namespace.
-        # and the tools' configuration files as clean copies (confine/clean.py).
-        files=(*(CAPTURE_FILES if capture else ()), *copies),
-    )
-    # The read-only workspace's scratch is in the view's private /tmp: Landlock must let the
-    # command write there whatever the presets say (it is never bound from the host).
-    read_only = roots.layout.read_only and mounts
-    return LaunchPlan(
+    request = face.Request(
         argv=options.argv,
         executable=executable.path,
-        cwd=world.cwd,
+        cwd=os.path.realpath(options.cwd or os.getcwd()),
         env=env,
-        mechanisms=tuple(sorted(m.value for m in chosen)),
-        uid=os.getuid(),
-        gid=os.getgid(),
-        host_ports=tuple(s.getsockname()[1] for s in listeners),
-        read=(*fs.read, *socket_roots),
-        write=(*fs.write, READ_ONLY_SCRATCH) if read_only else fs.write,
-        deny=fs.deny,
-        read_only_inside_write=fs.read_only_inside_write,
-        sockets=socket_bind,
+        env_ports=templates,
+        mechanisms=chosen,
+        profile=profile,
+        fs=fs,
+        workspaces=workspaces,
+        process_write=process_write,
+        socket_roots=socket_roots,
+        read_only_scratch=READ_ONLY_SCRATCH if roots.layout.read_only else "",
+        scratch=scratch,
+        hidden_sockets=hidden,
         allow_loopback=options.allow_loopback,
         pass_fds=options.pass_fds,
         rlimit_nofile=options.rlimit_nofile,
         rlimit_as=options.rlimit_as,
-        rlimit_nproc=options.max_processes,
-        rlimit_data=budget,
+        max_processes=options.max_processes,
+        memory=budget,
+        tmp_size=tmp,
+        shm_size=shm,
         cgroup=group,
         cgroup_off=group_off,
-        best_effort=profile is not Profile.OS_HARDENED,
-        env_ports=templates,
+        host_ports=tuple(s.getsockname()[1] for s in listeners),
+        uid=os.getuid(),
+        gid=os.getgid(),
         parent_pid=os.getpid(),
-        world=world if mounts else None,
-        capture=capture,
+        capture=not capture_off,
+        copies=copies,
     )
+    return face.plan(request, facts)
 
 
 def live_sockets(granted: Sequence[str], socket_roots: Sequence[str]) -> tuple[str, ...]:
@@ -1400,23 +1394,6 @@ def _write_ignore(base: int) -> None:
         return
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write("# egressbox scratch space (temp files and caches)\n*\n")
-
-
-def _host_listeners() -> list[socket.socket]:
-    # No network namespace: the proxy listens on the host's loopback and
-    # Landlock ports plus seccomp hold the child to those port numbers.
-    listeners: list[socket.socket] = []
-    try:
-        for _ in range(2):
-            listeners.append(netns.bind_listener("127.0.0.1", 0))
-    except OSError as exc:
-        for sock in listeners:
-            sock.close()
-        # e.g. inside another run's Landlock domain, which refuses every bind
-        raise EgressboxError(
-            f"cannot listen on 127.0.0.1 for the proxy: {exc.strerror or exc}"
-        ) from None
-    return listeners
 
 
 def enforcement_report(

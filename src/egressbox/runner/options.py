@@ -294,14 +294,27 @@ def options_for(
     workspace: str | None = None,
     review: bool = False,
     secrets: Mapping[str, str] | None = None,
+    writable_trusted: Sequence[str] = (),
+    grant_files: Sequence[str] = (),
+    trusted_files: Sequence[str] = (),
+    log_allowed: bool = False,
+    user: str | None = None,
+    run_settings: RunSettings | None = None,
 ) -> RunOptions:
-    """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined().
+    """RunOptions from the keyword arguments of run() / run_sync() / spawn_confined(), and of
+    the command line (runner/flags.py names the keyword each `run` flag sets): the one
+    constructor of RunOptions.
 
     The policy's [process], [filesystem] and [env] tables are the defaults:
     `profile`, `env` and `timeout` win over them, roots and grants add to them.
+    `run_settings` are those tables when the policy itself comes later (the command line
+    reads them before the fork and loads the rest while the launcher starts); by default,
+    the policy's.
     """
     if not cmd:
         raise ValueError("cmd must name a program")
+    if run_settings is None and policy is not None:
+        run_settings = policy.run_settings
     return RunOptions(
         argv=tuple(cmd),
         policy=policy,
@@ -317,8 +330,12 @@ def options_for(
         ask_timeout=ask_timeout,
         review=review,
         secrets=dict(secrets) if secrets else None,
+        grant_files=tuple(grant_files),
+        trusted_files=tuple(trusted_files),
+        log_allowed=log_allowed,
+        user=user,
         **with_settings(
-            policy.run_settings if policy is not None else None,
+            run_settings,
             profile=profile,
             env=env,
             write_roots=write_roots,
@@ -332,6 +349,7 @@ def options_for(
             toolchain_cache=toolchain_cache,
             workspace=workspace,
             allow_loopback=allow_loopback,
+            writable_trusted=writable_trusted,
         ),
     )
 

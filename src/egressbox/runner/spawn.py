@@ -10,7 +10,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from egressbox.confine import netns
+from egressbox.confine import face, netns
 from egressbox.confine.plan import (
     Enforcement,
     Mechanism,
@@ -277,12 +277,7 @@ class LaunchFailedError(EgressboxError):
 
 def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
     """Fork the launcher and receive the listeners it bound (or use the host's)."""
-    from egressbox.confine.launcher import launcher_main
-
-    parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    # What the launcher applied arrives on this pipe just before exec, which closes it.
-    report_r, report_w = os.pipe()
-    plan = prepared.plan._replace(report_fd=report_w)
+    plan = prepared.plan
     pipes = (os.pipe(), os.pipe()) if capture_output else None
     # Not captured: the command's stderr still passes through us (refusal records). It never
     # gets our terminal: a new pty takes the place of each of our std fds that is one.
@@ -291,23 +286,17 @@ def spawn(prepared: Prepared, *, capture_output: bool = False) -> Launched:
         plan = plan._replace(controlling_tty=True)
     try:
         # A zygote the command line forked early has imported the launcher's modules already.
-        pid = zygote.launch(plan, child_chan, _child_fds(pipes, tee)) or os.fork()
+        started = face.launch(
+            plan,
+            child_fds=_child_fds(pipes, tee),
+            in_child=tee.close_in_child if tee is not None else None,
+            forker=zygote.launch,
+        )
     except BaseException:
         if tee is not None:
             tee.abandon()
-        os.close(report_r)
-        os.close(report_w)
         raise
-    if pid == 0:  # the launcher
-        parent_chan.close()
-        os.close(report_r)
-        for target, source in _child_fds(pipes, tee).items():
-            os.dup2(source, target)
-        if tee is not None:
-            tee.close_in_child()
-        launcher_main(plan, child_chan.detach())
-    child_chan.close()
-    os.close(report_w)
+    pid, parent_chan, report_r = started
     if tee is not None:
         tee.start()
     out_fd = err_fd = None
