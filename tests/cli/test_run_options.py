@@ -54,6 +54,8 @@ FROM_POLICY = {
     "terminate",
     "secret_env",
     "notes",  # what is said about the profile chosen (deprecated names, a stricter policy)
+    "workspace_asked",  # whether --workspace or the policy named the mode (an explicit
+    # `staged` is refused where it cannot be built; the default falls back to direct)
 }
 
 # Policy keys by another name than the flag's keyword (the policy's names are Harn's or
