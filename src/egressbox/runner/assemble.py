@@ -86,6 +86,7 @@ from egressbox.runner.options import (
 from egressbox.runner.verify import Guard, snapshot
 
 if TYPE_CHECKING:
+    from egressbox.proxy.broker import Broker
     from egressbox.runner.brokering import RunBrokering
 from egressbox.runner.workspace import (
     READ_ONLY_SCRATCH,
@@ -167,6 +168,8 @@ class Prepared:
         self.foreign_locale = ""
         # The run's placeholders and CA (runner/brokering.py), for the proxy; None: none.
         self.brokering: RunBrokering | None = None
+        # Its broker, the values read (api._read_secrets) after the fork, before the command.
+        self.broker: Broker | None = None
         self.started = 0.0
         self.cleanup = []
         self.read_only_workspaces = ()
