@@ -180,7 +180,7 @@ origin_ca = "{self.origin_ca}"
         env = dict(os.environ, EGRESSBOX_TEST_REAL=TOKEN, API_TOKEN=TOKEN)  # granted or not
         egressbox = [sys.executable, "-m", "egressbox"]
         if actor is not None:
-            env = dict(actor.base_env(self.tmp), EGRESSBOX_TEST_REAL=TOKEN, API_TOKEN=TOKEN)
+            env = dict(actor.base_env("/nonexistent"), EGRESSBOX_TEST_REAL=TOKEN, API_TOKEN=TOKEN)
             egressbox = list(actor.egressbox)
         argv = [
             *egressbox,
