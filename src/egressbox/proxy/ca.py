@@ -17,6 +17,7 @@ import os
 import ssl
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Final
 
 from cryptography import x509
@@ -69,6 +70,7 @@ class CertificateAuthority:
         self._key = key
         # host -> (its server context, when it is to be made anew: time.monotonic())
         self._contexts: OrderedDict[str, tuple[ssl.SSLContext, float]] = OrderedDict()
+        self.clock: Callable[[], float] = time.monotonic
         self.cert_pem = cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
 
     def __repr__(self) -> str:
@@ -137,7 +139,7 @@ class CertificateAuthority:
     def server_context(self, host: str) -> ssl.SSLContext:
         """A server context presenting a certificate for `host` signed by this CA."""
         cached = self._contexts.get(host)
-        now = time.monotonic()
+        now = self.clock()
         if cached is not None and now < cached[1]:
             self._contexts.move_to_end(host)
             return cached[0]
