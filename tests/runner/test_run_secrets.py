@@ -415,3 +415,49 @@ def test_as_the_unprivileged_user(test_user: Actor) -> None:
                 assert TOKEN not in text
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+LIBRARY = """
+import sys
+import egressbox
+from egressbox.core.policy import load_policy
+
+policy = load_policy(sys.argv[1])
+script = 'echo "env=$API_TOKEN"; curl -sS --max-time 20 -H "X-Sent: $API_TOKEN" ' + sys.argv[2]
+result = egressbox.run_sync(
+    ["/bin/sh", "-c", script],
+    policy=policy,
+    capture_output=True,
+    secrets={"API_TOKEN": sys.argv[3]},
+)
+sys.stdout.write(result.stdout.decode())
+try:
+    egressbox.run_sync(["/bin/sh", "-c", "touch ran"], policy=policy, secrets={"NOPE": "x"})
+except ValueError as exc:
+    print("refused:", exc)
+sys.exit(result.exit_code)
+"""
+
+
+def test_the_library_takes_the_value_directly(box: Box) -> None:
+    """egressbox.run_sync(..., secrets={NAME: VALUE}) (in a child process: it forks): the
+    entry's from_env variable is unset, the value given is what the origin gets."""
+    env = {k: v for k, v in os.environ.items() if k not in ("EGRESSBOX_TEST_REAL", "API_TOKEN")}
+    url = f"https://127.0.0.1:{box.bound.port}/library"
+    done = subprocess.run(
+        [sys.executable, "-c", LIBRARY, str(box.policy()), url, TOKEN],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=box.tmp,
+        timeout=RUN_TIMEOUT,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "env=egressbox-placeholder-API_TOKEN-" in done.stdout
+    assert "welcome" in done.stdout
+    assert "refused: secrets= names no [[secret]] entry of the policy: NOPE" in done.stdout
+    assert not (box.tmp / "ran").exists()
+    assert box.bound.authorized() == [("/library", "curl")]
+    assert TOKEN not in done.stdout + done.stderr
