@@ -201,6 +201,18 @@ def _add_serve(sub: Subparsers) -> None:
     )
     _add_upstream(p)
     _add_nameserver(p)
+    p.add_argument(
+        "--ca-cert",
+        metavar="PATH",
+        help="the CA certificate (PEM) serve signs the certificates of the hosts a [[secret]] "
+        "or [[request_rule]] names with; your clients must trust it (overrides [tls] ca_cert)",
+    )
+    p.add_argument(
+        "--ca-key",
+        metavar="PATH",
+        help="its key (PEM, unencrypted, EC P-256 or RSA 2048+), mode 0600 or stricter: refused "
+        "when group or others may open it (overrides [tls] ca_key)",
+    )
 
 
 def _add_upstream(p: argparse.ArgumentParser, *, doctor: bool = False) -> None:
@@ -599,6 +611,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         proxy_protocol_from=_proxy_protocol_from(args),
         upstream=args.upstream,
         upstream_target=args.upstream_target,
+        ca_cert=args.ca_cert,
+        ca_key=args.ca_key,
     )
     return serve(options)
 

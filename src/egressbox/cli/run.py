@@ -317,10 +317,22 @@ def _diagnostic(line: str) -> None:
     write_err(line)
 
 
+def _exit_code(exc: Exception) -> int:
+    """The code of a run that ended before its command could (said on stderr)."""
+    from egressbox.core.exitcodes import EXIT_USAGE
+
+    if isinstance(exc, LaunchFailedError):  # its code says the cause (the proxy's bind: 121)
+        return exc.code
+    if isinstance(exc, CommandNotFoundError):
+        return EXIT_NOT_FOUND
+    return EXIT_USAGE  # a [[secret]]'s value cannot be had: the command never ran
+
+
 def _run_reporting_errors(
     options: RunOptions, audit: AuditSink | None, args: Any
 ) -> RunResult | int:
     from egressbox.core.errors import PolicyError
+    from egressbox.core.secrets import SecretError
 
     try:
         return run_options_sync(
@@ -339,12 +351,9 @@ def _run_reporting_errors(
         for message in exc.messages:
             write_err(message)
         return exc.code
-    except CommandNotFoundError as exc:
+    except (CommandNotFoundError, LaunchFailedError, SecretError) as exc:
         write_err(str(exc))
-        return EXIT_NOT_FOUND
-    except LaunchFailedError as exc:  # its code says the cause (the proxy's bind: 121)
-        write_err(str(exc))
-        return exc.code
+        return _exit_code(exc)
     except EgressboxError as exc:
         write_err(str(exc))
         return EXIT_CANNOT_CONFINE

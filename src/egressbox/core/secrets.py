@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
-from egressbox.core.errors import Reason
+from egressbox.core.errors import EgressboxError, Reason
 
 if TYPE_CHECKING:
     # Imported where used: policy.py imports this module, and load_run_settings() (read by
@@ -27,7 +27,14 @@ if TYPE_CHECKING:
     from egressbox.core.rules import Rule
 
 SECRET_KEYS: Final = ("name", "from_env", "from_file", "from_command", "hosts", "header", "format")
-REQUEST_RULE_KEYS: Final = ("hosts", "methods", "paths", "max_requests", "max_request_bytes")
+REQUEST_RULE_KEYS: Final = (
+    "hosts",
+    "methods",
+    "paths",
+    "max_requests",
+    "max_request_bytes",
+    "window",
+)
 TLS_KEYS: Final = ("origin_ca", "ca_cert", "ca_key")
 
 # The placeholder the child holds: recognisable in any request head, unique per run (128
@@ -43,6 +50,14 @@ _NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TOKEN_RE: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 # A budget above this is a typo, not a limit (2**53: what a JSON number keeps exactly).
 MAX_BUDGET: Final = 1 << 53
+# A budget's window (seconds): a year is longer than any process is meant to serve; a
+# window that long is a per-run budget written the long way.
+MAX_WINDOW: Final = 366 * 24 * 3600
+
+
+class SecretError(EgressboxError):
+    """A secret's value cannot be had; the message names the entry and its source, never a
+    value (`run` and `serve` exit 2 with it before anything is served)."""
 
 
 class SecretSource(StrEnum):
@@ -73,6 +88,8 @@ class RequestRule(NamedTuple):
     paths: tuple[str, ...] = ()
     max_requests: int | None = None
     max_request_bytes: int | None = None
+    # Seconds after which the budgets' counters start again (None: once per run / proxy).
+    window: int | None = None
 
     def applies(self, host: str, port: int) -> bool:
         return matches(self.hosts, host, port)
@@ -313,8 +330,11 @@ def parse_request_rules(data: Mapping[str, Any], problems: Problems) -> tuple[Re
         paths = _paths(entry, at, problems)
         requests = _budget(entry, "max_requests", at, problems)
         size = _budget(entry, "max_request_bytes", at, problems)
+        window = _window(entry, at, problems)
+        if window is not None and requests is None and size is None:
+            problems.problem(f"{at}.window", "needs max_requests or max_request_bytes to renew")
         if hosts:
-            found.append(RequestRule(hosts, methods, paths, requests, size))
+            found.append(RequestRule(hosts, methods, paths, requests, size, window))
     return tuple(found)
 
 
@@ -346,6 +366,18 @@ def _budget(entry: Mapping[str, Any], key: str, at: str, problems: Problems) -> 
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BUDGET:
         problems.problem(f"{at}.{key}", f"must be a whole number from 0 to {MAX_BUDGET}")
+        return None
+    return value
+
+
+def _window(entry: Mapping[str, Any], at: str, problems: Problems) -> int | None:
+    value = entry.get("window")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WINDOW:
+        problems.problem(
+            f"{at}.window", f"must be a whole number of seconds from 1 to {MAX_WINDOW} (3600: 1h)"
+        )
         return None
     return value
 

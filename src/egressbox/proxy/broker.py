@@ -17,16 +17,21 @@ import ctypes
 import os
 import resource
 import secrets as random
+import shlex
+import signal
 import ssl
 import subprocess
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Final
 
-from egressbox.core.errors import EgressboxError, Reason
+from egressbox.core.errors import Reason
 from egressbox.core.policy import Policy
 from egressbox.core.secrets import (
     PLACEHOLDER_PREFIX,
     RequestRule,
+    SecretError,
     SecretSource,
     SecretSpec,
     format_value,
@@ -45,8 +50,7 @@ MAX_VALUE_BYTES: Final = 64 * 1024
 PR_SET_DUMPABLE: Final = 4  # <linux/prctl.h>
 
 
-class SecretError(EgressboxError):
-    """A secret's value cannot be read; the message names the entry, never a value."""
+__all__ = ["Broker", "SecretError", "no_core_dumps", "placeholder", "read_value"]
 
 
 def placeholder(name: str) -> str:
@@ -76,24 +80,32 @@ def read_value(spec: SecretSpec, environ: Mapping[str, str]) -> str:
 
 
 def _run(argv: Sequence[str], where: str) -> bytes:
+    """The command's output. Its own session: on a timeout the whole group is killed (a
+    password manager's CLI may leave a helper behind holding the pipe)."""
+    command = f"from_command {shlex.join(argv)}"
     try:
-        done = subprocess.run(  # the policy's own command, no shell
+        child = subprocess.Popen(  # the policy's own command, no shell
             list(argv),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # may echo the secret or a prompt: never shown
-            timeout=COMMAND_TIMEOUT,
-            check=False,
+            start_new_session=True,
         )
-    except subprocess.TimeoutExpired:
-        raise SecretError(
-            f"{where}: from_command took longer than {COMMAND_TIMEOUT:.0f}s"
-        ) from None
     except OSError as exc:
-        raise SecretError(f"{where}: from_command cannot run: {exc.strerror}") from None
-    if done.returncode != 0:
-        raise SecretError(f"{where}: from_command exited with {done.returncode}")
-    return done.stdout[: MAX_VALUE_BYTES + 1]
+        raise SecretError(f"{where}: {command} cannot run: {exc.strerror}") from None
+    with child:
+        try:
+            out, _ = child.communicate(timeout=COMMAND_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise SecretError(f"{where}: {command} took longer than {COMMAND_TIMEOUT:g}s") from None
+    if child.returncode != 0:
+        code = child.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+        raise SecretError(f"{where}: {command} {how}")
+    return out[: MAX_VALUE_BYTES + 1]
 
 
 def _text(data: bytes, where: str) -> str:
@@ -110,6 +122,20 @@ def no_core_dumps() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+@dataclass
+class Spent:
+    """What one rule's budgets counted for one host:port since `since` (monotonic)."""
+
+    since: float
+    requests: int = 0
+    bytes: int = 0
+
+
+def _per(rule: RequestRule) -> str:
+    """How the budget's refusal detail ends: when it is reached (no path, no value)."""
+    return f" reached in this {rule.window}s window" if rule.window is not None else " reached"
 
 
 class Broker:
@@ -134,9 +160,9 @@ class Broker:
         self._values: dict[str, str] = {}  # placeholder -> value
         self._by_placeholder = {self.placeholders[s.name]: s for s in self.secrets}
         self._origin: ssl.SSLContext | None = None
-        # Per host:port: requests and request bytes sent so far (the budgets' counters).
-        self.requests: dict[tuple[str, int], int] = {}
-        self.request_bytes: dict[tuple[str, int], int] = {}
+        # Per rule and host:port: what its budgets counted (in its window, if it has one).
+        self._counts: dict[tuple[int, str, int], Spent] = {}
+        self.clock: Callable[[], float] = time.monotonic
 
     def __repr__(self) -> str:
         return f"Broker(secrets={[s.name for s in self.secrets]}, loaded={bool(self._values)})"
@@ -198,30 +224,45 @@ class Broker:
         refused = judge_request(self.rules, host, port, method, target)
         if refused is not None:
             return refused
-        key = (host, port)
-        for rule in self.rules:
-            if not rule.applies(host, port):
-                continue
-            if rule.max_requests is not None and self.requests.get(key, 0) >= rule.max_requests:
-                return Reason.BUDGET_EXCEEDED, f"max_requests ({rule.max_requests}) reached"
+        spent = self._spent(host, port)
+        for rule, counted in spent:
+            if rule.max_requests is not None and counted.requests >= rule.max_requests:
+                return Reason.BUDGET_EXCEEDED, f"max_requests ({rule.max_requests}){_per(rule)}"
             budget = rule.max_request_bytes
-            if budget is not None and self.request_bytes.get(key, 0) + size > budget:
-                return Reason.BUDGET_EXCEEDED, f"max_request_bytes ({budget}) reached"
-        self.requests[key] = self.requests.get(key, 0) + 1
-        self.request_bytes[key] = self.request_bytes.get(key, 0) + size
+            if budget is not None and counted.bytes + size > budget:
+                return Reason.BUDGET_EXCEEDED, f"max_request_bytes ({budget}){_per(rule)}"
+        for _, counted in spent:
+            counted.requests += 1
+            counted.bytes += size
         return None
 
     def more_bytes(self, host: str, port: int, size: int) -> tuple[Reason, str] | None:
         """Body bytes beyond what was declared (a chunked body): counted, and refused once
         over a budget."""
-        key = (host, port)
-        total = self.request_bytes.get(key, 0) + size
-        self.request_bytes[key] = total
-        for rule in self.rules:
+        refused = None
+        for rule, counted in self._spent(host, port):
+            counted.bytes += size
             budget = rule.max_request_bytes
-            if budget is not None and rule.applies(host, port) and total > budget:
-                return Reason.BUDGET_EXCEEDED, f"max_request_bytes ({budget}) reached"
-        return None
+            if refused is None and budget is not None and counted.bytes > budget:
+                refused = Reason.BUDGET_EXCEEDED, f"max_request_bytes ({budget}){_per(rule)}"
+        return refused
+
+    def _spent(self, host: str, port: int) -> list[tuple[RequestRule, Spent]]:
+        """Each budgeted rule that applies to host:port with its counters, started again
+        when its window has passed (a fixed window from the first request in it)."""
+        now = self.clock()
+        found = []
+        for index, rule in enumerate(self.rules):
+            if not rule.applies(host, port):
+                continue
+            if rule.max_requests is None and rule.max_request_bytes is None:
+                continue
+            key = (index, host, port)
+            counted = self._counts.get(key)
+            if counted is None or (rule.window is not None and now - counted.since >= rule.window):
+                counted = self._counts[key] = Spent(since=now)
+            found.append((rule, counted))
+        return found
 
     def rewrite(
         self, host: str, port: int, target: str, headers: Sequence[tuple[str, str]]

@@ -8,16 +8,21 @@ on demand and its server context kept in a bounded cache.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
+import hmac
 import ipaddress
 import os
 import ssl
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Final
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 # Server contexts kept per host: a run talks to a handful of bound hosts; a `serve` fleet
@@ -27,10 +32,21 @@ LEAF_CACHE_SIZE: Final = 256
 # own CA), and leaves a little shorter than the CA. Backdated for clocks slightly behind.
 CA_VALIDITY: Final = datetime.timedelta(days=1)
 LEAF_VALIDITY: Final = datetime.timedelta(hours=23)
+# A cached leaf is made anew after this long (a `serve` runs for weeks; its leaves must not
+# run out under a client): half its validity, so a client's clock a few hours off still fits.
+LEAF_RENEW_S: Final = LEAF_VALIDITY.total_seconds() / 2
 BACKDATE: Final = datetime.timedelta(minutes=5)
 # ALPN towards the child: HTTP/1.1 only (the one grammar reads each request).
 ALPN: Final = ["http/1.1"]
 CA_NAME: Final = "egressbox per-run CA"
+# The operator's CA key: EC (P-256 and up) or RSA of at least this size (NIST SP 800-57: 2048
+# bits is the floor for signatures made today).
+MIN_RSA_BITS: Final = 2048
+# Group and other permission bits: the CA key file must have none (it signs certificates
+# every client of the proxy trusts for the bound hosts).
+KEY_MODE_OPEN: Final = 0o077
+
+SigningKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 
 class CaError(Exception):
@@ -49,10 +65,12 @@ def _now() -> datetime.datetime:
 class CertificateAuthority:
     """A CA certificate and its key (in memory), signing leaf certificates per host."""
 
-    def __init__(self, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+    def __init__(self, cert: x509.Certificate, key: SigningKey) -> None:
         self._cert = cert
         self._key = key
-        self._contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
+        # host -> (its server context, when it is to be made anew: time.monotonic())
+        self._contexts: OrderedDict[str, tuple[ssl.SSLContext, float]] = OrderedDict()
+        self.clock: Callable[[], float] = time.monotonic
         self.cert_pem = cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
 
     def __repr__(self) -> str:
@@ -93,26 +111,41 @@ class CertificateAuthority:
 
     @classmethod
     def load(cls, cert_path: str, key_path: str) -> CertificateAuthority:
-        """The operator's CA from PEM files (`serve`: [tls] ca_cert / ca_key)."""
+        """The operator's CA from PEM files (`serve`: [tls] ca_cert / ca_key, or --ca-cert /
+        --ca-key). CaError says what is wrong: a key file open to group or others, a key
+        that is not the certificate's, a certificate that is no CA or is not valid now."""
+        key = _load_key(key_path)
         try:
             with open(cert_path, "rb") as f:
                 cert = x509.load_pem_x509_certificate(f.read())
-            with open(key_path, "rb") as f:
-                key = serialization.load_pem_private_key(f.read(), password=None)
         except (OSError, ValueError) as exc:
-            raise CaError(f"cannot load the CA ({cert_path}, {key_path}): {exc}") from None
-        if not isinstance(key, ec.EllipticCurvePrivateKey):
-            raise CaError(f"{key_path}: the CA key must be an EC key (P-256)")
+            raise CaError(f"{cert_path}: cannot load the CA certificate: {_why(exc)}") from None
+        if cert.public_key() != key.public_key():
+            raise CaError(f"{key_path} is not the key of the certificate {cert_path}")
+        _check_ca(cert, cert_path)
         return cls(cert, key)
+
+    def derived_hex(self, label: str, length: int = 32) -> str:
+        """`length` hex digits only this CA's key holder can compute for `label` (HMAC-SHA256
+        keyed by the key): `serve` derives its placeholders so that every instance of a fleet
+        sharing the operator's CA, and every restart, gives clients the same ones."""
+        secret = self._key.private_bytes(
+            serialization.Encoding.DER,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        return hmac.new(secret, label.encode(), hashlib.sha256).hexdigest()[:length]
 
     def server_context(self, host: str) -> ssl.SSLContext:
         """A server context presenting a certificate for `host` signed by this CA."""
-        context = self._contexts.get(host)
-        if context is not None:
+        cached = self._contexts.get(host)
+        now = self.clock()
+        if cached is not None and now < cached[1]:
             self._contexts.move_to_end(host)
-            return context
+            return cached[0]
         context = self._make_context(host)
-        self._contexts[host] = context
+        self._contexts[host] = (context, now + LEAF_RENEW_S)
+        self._contexts.move_to_end(host)
         while len(self._contexts) > LEAF_CACHE_SIZE:
             self._contexts.popitem(last=False)
         return context
@@ -145,7 +178,7 @@ class CertificateAuthority:
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - BACKDATE)
-            .not_valid_after(now + LEAF_VALIDITY)
+            .not_valid_after(min(now + LEAF_VALIDITY, self._cert.not_valid_after_utc))
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
@@ -154,6 +187,59 @@ class CertificateAuthority:
             )
             .sign(self._key, hashes.SHA256())
         )
+
+
+def _why(exc: Exception) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def _load_key(path: str) -> SigningKey:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CaError(f"{path}: cannot open the CA key: {_why(exc)}") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if mode & KEY_MODE_OPEN:
+            raise CaError(
+                f"{path}: the CA key is open to group or others (mode {mode & 0o777:04o}); "
+                "whoever reads it can sign certificates every client of the proxy trusts: "
+                f"chmod 600 {path}"
+            )
+        data = f.read()
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise CaError(f"{path}: cannot load the CA key (PEM, unencrypted): {exc}") from None
+    if isinstance(key, rsa.RSAPrivateKey) and key.key_size < MIN_RSA_BITS:
+        raise CaError(f"{path}: an RSA CA key needs at least {MIN_RSA_BITS} bits")
+    if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey):
+        raise CaError(f"{path}: the CA key must be an EC (P-256) or RSA key")
+    return key
+
+
+def _check_ca(cert: x509.Certificate, path: str) -> None:
+    """A certificate that may sign others, valid now."""
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        constraints = None
+    if constraints is None or not constraints.ca:
+        raise CaError(f"{path}: not a CA certificate (basicConstraints CA:TRUE is missing)")
+    with _suppress_missing():
+        usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+        if not usage.key_cert_sign:
+            raise CaError(f"{path}: its keyUsage does not allow keyCertSign")
+    now = _now()
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise CaError(
+            f"{path}: not valid now (valid from {cert.not_valid_before_utc:%Y-%m-%d} "
+            f"to {cert.not_valid_after_utc:%Y-%m-%d})"
+        )
+
+
+def _suppress_missing() -> contextlib.AbstractContextManager[None]:
+    return contextlib.suppress(x509.ExtensionNotFound)
 
 
 def _remember_sni(tls: object, name: str | None, _context: ssl.SSLContext) -> None:

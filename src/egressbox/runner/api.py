@@ -66,10 +66,25 @@ def _start(
     except BaseException:
         _never_ran(prepared)
         raise
+    _read_secrets(prepared, launched, options)
     launched.go()
     launched.start_timer(options.timeout)
     confirm(prepared, launched, options)
     return prepared, launched
+
+
+def _read_secrets(prepared: Prepared, launched: Launched, options: RunOptions) -> None:
+    """The [[secret]] values, read now: after the fork (the launcher's memory never held
+    them) and before the command starts, so that a value that cannot be had (SecretError)
+    ends the run before it begins, whether or not the command would have connected."""
+    if prepared.brokering is None:
+        return
+    try:
+        prepared.broker = prepared.brokering.loaded(options.policy, options.secrets)
+    except BaseException:
+        launched.abandon()
+        _never_ran(prepared)
+        raise
 
 
 def run_options_sync(
@@ -100,6 +115,7 @@ def run_options_sync(
             launched.abandon()
             _never_ran(prepared)
             raise
+    _read_secrets(prepared, launched, options)
     launched.go()
     launched.start_timer(options.timeout)
     confirm(prepared, launched, options)
@@ -234,7 +250,7 @@ async def spawn_confined(
     prepared, launched = _start(options, None, capture_output)
     hold = _Hold(launched, prepared=prepared)
     try:
-        proxy = _make_proxy(launched, options, audit=audit, brokering=prepared.brokering)
+        proxy = _make_proxy(launched, options, audit=audit, broker=prepared.broker)
     except BaseException:
         hold.abandon()
         raise

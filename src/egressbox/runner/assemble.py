@@ -84,6 +84,7 @@ from egressbox.runner.options import (
 from egressbox.runner.verify import Guard, snapshot
 
 if TYPE_CHECKING:
+    from egressbox.proxy.broker import Broker
     from egressbox.runner.brokering import RunBrokering
 from egressbox.runner.workspace import (
     READ_ONLY_SCRATCH,
@@ -184,6 +185,9 @@ class Prepared:
         self.foreign_locale = foreign_locale
         # The run's placeholders and CA (runner/brokering.py), for the proxy; None: none.
         self.brokering = brokering
+        # Its broker, once the values are read (api._read_secrets, after the fork and before
+        # the command starts): the one field filled after construction, as it is I/O.
+        self.broker: Broker | None = None
         self.started = started
         self.cleanup = [] if cleanup is None else cleanup
         self.read_only_workspaces = read_only_workspaces

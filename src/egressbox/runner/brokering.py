@@ -65,6 +65,23 @@ class RunBrokering(NamedTuple):
             placeholders=self.placeholders,
         )
 
+    def loaded(self, policy: Policy | None, given: Mapping[str, str] | None) -> Broker | None:
+        """broker() with every value read now (`given`: the library's values by name).
+        SecretError names an entry whose value cannot be had; ValueError an unknown name."""
+        broker = self.broker(policy)
+        if broker is None:
+            return None
+        given = dict(given or {})
+        unknown = sorted(set(given) - {spec.name for spec in broker.secrets})
+        if unknown:
+            raise ValueError(
+                f"secrets= names no [[secret]] entry of the policy: {', '.join(unknown)}"
+            )
+        for name, value in given.items():
+            broker.set_value(name, value)
+        broker.load(skip=given)
+        return broker
+
 
 def for_run(
     names: tuple[str, ...], terminate: bool, held: tuple[str, ...] = ()

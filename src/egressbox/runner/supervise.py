@@ -30,8 +30,8 @@ from egressbox.runner.terminal import (
 if TYPE_CHECKING:
     from egressbox.audit.record import AuditRecord, AuditSink
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord
+    from egressbox.proxy.broker import Broker
     from egressbox.proxy.server import EgressProxy
-    from egressbox.runner.brokering import RunBrokering
 
 
 async def supervise(
@@ -51,9 +51,7 @@ async def supervise(
     """
     hold = _Hold(launched, prepared=prepared)
     try:
-        hold.proxy = _make_proxy(
-            launched, options, audit=audit, log=log, brokering=prepared.brokering
-        )
+        hold.proxy = _make_proxy(launched, options, audit=audit, log=log, broker=prepared.broker)
     except BaseException:
         hold.abandon()
         raise
@@ -66,7 +64,7 @@ def _make_proxy(
     *,
     audit: AuditSink | None = None,
     log: Any = None,
-    brokering: RunBrokering | None = None,
+    broker: Broker | None = None,
 ) -> EgressProxy:
     """The proxy for the launcher's listeners (not started: _supervise() starts it)."""
     from egressbox.net.resolve import DnsResolver
@@ -97,8 +95,8 @@ def _make_proxy(
         capture_sockets=capture,
         dns_sockets=dns,
         destinations=launched.destinations,
-        # The values are read here, by the unconfined proxy, after the fork (broker.py).
-        broker=brokering.broker(options.policy) if brokering is not None else None,
+        # Its values were read after the fork, before the command started (api._read_secrets).
+        broker=broker,
         secrets=options.secrets,
         **asking,
     )

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egressbox.audit.record import (
     DEFAULT_WRITERS,
@@ -36,9 +36,18 @@ from egressbox.proxy.approval import DEFAULT_TIMEOUT as DEFAULT_ASK_TIMEOUT
 from egressbox.proxy.approval import Answer, CommandDecider, command_argv, save_approved
 from egressbox.proxy.gate import Meter, stderr_log
 from egressbox.proxy.server import EgressProxy
+from egressbox.serve.brokering import (
+    ServeTlsError,
+    ca_paths,
+    serve_broker,
+    unchanged_on_reload,
+)
 from egressbox.serve.fleet import Prepared, ServingProcess
 from egressbox.serve.systemd import ActivationError, Notifier, listen_fds
 from egressbox.serve.watch import PolicyWatch
+
+if TYPE_CHECKING:
+    from egressbox.proxy.broker import Broker
 
 # Largest TCP port number.
 MAX_PORT = 65535
@@ -85,6 +94,9 @@ class ServeOptions:
     # --upstream / --upstream-target: chain to this proxy (else [egress] upstream, if any).
     upstream: str | None = None
     upstream_target: str | None = None
+    # --ca-cert / --ca-key: the CA that signs terminated hosts' certificates (else [tls]).
+    ca_cert: str | None = None
+    ca_key: str | None = None
 
 
 def raise_nofile_limit() -> int:
@@ -128,12 +140,30 @@ def serve(options: ServeOptions) -> int:
         stderr_log(f"warning: {REPORT_MODE_WARNING}")
     _say_upstream(options, policy)
     raise_nofile_limit()
-    prepared, code = prepare(options, watch)
+    prepared, code = prepare(options, watch, policy)
     if prepared is None:
         return code
     if options.workers > 1:
         return serve_workers(options, policy, servers, prepared)
     return _serve_one(options, policy, servers, prepared)
+
+
+def _broker(options: ServeOptions, policy: Policy) -> Broker | None:
+    """The broker of the policy's [[secret]] and [[request_rule]] entries with the
+    operator's CA (ServeTlsError: exit 2), its budgets shared among the workers."""
+    from egressbox.serve.workers import share_rules
+
+    paths = ca_paths(policy, options.ca_cert, options.ca_key)
+    if paths is not None and not policy.secrets and not policy.request_rules:
+        stderr_log(
+            "warning: a CA is given but the policy has no [[secret]] or [[request_rule]]: "
+            "no host is terminated (they are read at start only, not on reload)"
+        )
+    broker = serve_broker(policy, paths, share_rules(policy.request_rules, options.workers))
+    for name, token in broker.placeholders.items() if broker is not None else ():
+        # Not a secret: what clients send in the value's place (stable: brokering.py).
+        stderr_log(f"[[secret]] {name}: clients send {token} in its place")
+    return broker
 
 
 def _say_upstream(options: ServeOptions, policy: Policy) -> None:
@@ -165,11 +195,18 @@ def _serve_one(
             audit.close()
 
 
-def prepare(options: ServeOptions, watch: PolicyWatch | None) -> tuple[Prepared | None, int]:
-    """The admin listener (bound here, before any fork), its token, the sockets systemd
-    passed and its notify socket: (prepared, 0), or (None, exit code) said on stderr."""
+def prepare(
+    options: ServeOptions, watch: PolicyWatch | None, policy: Policy | None = None
+) -> tuple[Prepared | None, int]:
+    """The broker of `policy` (its CA and values), the admin listener (bound here, before
+    any fork), its token, the sockets systemd passed and its notify socket: (prepared, 0),
+    or (None, exit code) said on stderr."""
     from egressbox.serve.admin import bind_admin, is_loopback, parse_admin_address, read_token
 
+    try:
+        broker = _broker(options, policy) if policy is not None else None
+    except ServeTlsError as exc:
+        return None, _fail(str(exc), EXIT_USAGE)
     try:
         token = read_token(options.admin_token_file, os.environ)
     except ValueError as exc:
@@ -184,6 +221,7 @@ def prepare(options: ServeOptions, watch: PolicyWatch | None) -> tuple[Prepared 
         watch=watch,
         drain_delay=options.drain_delay,
         workers=options.workers,
+        broker=broker,
     )
     admin_socket = inherited.pop("admin", None)
     prepared.inherited = inherited
@@ -222,7 +260,7 @@ def usage_problem(options: ServeOptions) -> str:
     asking = ask_problem(options)
     if asking:
         return asking
-    operating = admin_problem(options) or chain_problem(options)
+    operating = admin_problem(options) or chain_problem(options) or ca_problem(options)
     if operating:
         return operating
     if options.workers > 1 and options.audit_max_bytes is not None:
@@ -232,6 +270,13 @@ def usage_problem(options: ServeOptions) -> str:
             "--audit-max-bytes cannot be combined with --workers above 1 (several processes "
             "cannot rotate one file safely); rotate externally and send SIGUSR1 to reopen"
         )
+    return ""
+
+
+def ca_problem(options: ServeOptions) -> str:
+    """--ca-cert without --ca-key, or the other way round (exit 2)."""
+    if (options.ca_cert is None) != (options.ca_key is None):
+        return "--ca-cert and --ca-key go together (the CA certificate and its key, PEM)"
     return ""
 
 
@@ -338,6 +383,7 @@ async def _started_proxy(
     *,
     sockets: dict[str, socket.socket] | None = None,
     meter: Meter | None = None,
+    broker: Broker | None = None,
 ) -> EgressProxy | None:
     """The proxy on the options' ports, or on `sockets` (a worker's, or systemd's), started;
     None when it cannot start (said on stderr). `meter` counts for the admin listener."""
@@ -357,6 +403,7 @@ async def _started_proxy(
     argv = ask_command(options)
     proxy = EgressProxy(
         policy,
+        broker=broker,
         listen=options.listen,
         resolver=resolver,
         audit=audit,
@@ -386,7 +433,13 @@ async def _serving_proxy(  # noqa: PLR0917 (what _started_proxy takes, and the p
     """The proxy started, then this process's admin listener (one serve or a worker); None
     when either cannot start (said on stderr; the proxy is closed again)."""
     proxy = await _started_proxy(
-        options, policy, servers, audit, sockets=sockets, meter=process.metrics
+        options,
+        policy,
+        servers,
+        audit,
+        sockets=sockets,
+        meter=process.metrics,
+        broker=process.prepared.broker,
     )
     if proxy is None:
         return None
@@ -581,9 +634,12 @@ async def _serve_worker(
         if options.report_only:
             fresh = with_mode(fresh, Mode.REPORT)
         closing = not options.keep_open_on_reload
+        fixed = unchanged_on_reload(proxy.state.policy, fresh)
         proxy.set_policy(share_limits(fresh, options.workers), close_denied=closing)
         serving.reloaded(True)
-        report(report_fd, "reload", message=f"policy reloaded from {options.policy_path}")
+        # One answer per worker (the parent says each distinct one once).
+        said = f"policy reloaded from {options.policy_path}"
+        report(report_fd, "reload", message=f"{said}; {fixed}" if fixed else said)
 
     loop.add_signal_handler(signal.SIGHUP, reload)
     if isinstance(audit, JsonlFileSink):
@@ -650,6 +706,9 @@ def reload_policy(
         return False
     if report_only:
         policy = with_mode(policy, Mode.REPORT)
+    fixed = unchanged_on_reload(proxy.state.policy, policy)
     proxy.set_policy(policy, close_denied=close_denied)
     stderr_log(f"policy reloaded from {path}")
+    if fixed:
+        stderr_log(fixed)
     return True

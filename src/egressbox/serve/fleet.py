@@ -39,6 +39,8 @@ from egressbox.serve.systemd import Notifier
 from egressbox.serve.watch import WATCH_INTERVAL, PolicyWatch
 
 if TYPE_CHECKING:
+    from egressbox.proxy.broker import Broker
+
     # admin.py and metrics.py load prometheus_client (about 50 ms): only with --admin.
     from egressbox.proxy.server import EgressProxy
     from egressbox.serve.admin import AdminServer
@@ -66,6 +68,9 @@ class Prepared:
     watch: PolicyWatch | None = None
     drain_delay: float = 0.0
     workers: int = 1
+    # [[secret]] / [[request_rule]]: the broker every proxy of this serve uses (its values
+    # read and the operator's CA loaded at start: serve/brokering.py); None: nothing to it.
+    broker: Broker | None = None
 
     def set_admin(self, sock: socket.socket) -> None:
         from egressbox.serve.admin import address_of

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
 from egressbox.core.policy import Policy
+from egressbox.core.secrets import RequestRule
 from egressbox.proxy.gate import stderr_log
 from egressbox.proxy.server import LISTEN_BACKLOG
 from egressbox.serve.systemd import Notifier
@@ -95,6 +96,25 @@ def share_limits(policy: Policy, count: int) -> Policy:
         if f.name.startswith("_") and f.default_factory is not dataclasses.MISSING
     }
     return dataclasses.replace(policy, limits=limits._replace(max_connections=per_worker), **fresh)
+
+
+def share_rules(rules: Sequence[RequestRule], count: int) -> tuple[RequestRule, ...]:
+    """The [[request_rule]] budgets one of `count` workers enforces: each divided (rounded
+    up), as max_connections is. Workers count on their own (no shared counter): a client
+    whose connections all land in one worker meets its share of the budget, not the whole."""
+    if count <= 1:
+        return tuple(rules)
+    return tuple(
+        rule._replace(
+            max_requests=_share(rule.max_requests, count),
+            max_request_bytes=_share(rule.max_request_bytes, count),
+        )
+        for rule in rules
+    )
+
+
+def _share(budget: int | None, count: int) -> int | None:
+    return None if budget is None else math.ceil(budget / count)
 
 
 # -- listeners ---------------------------------------------------------------------------
