@@ -277,3 +277,46 @@ def test_module_entry_point_and_help() -> None:
     )
     assert usage.returncode == 2
     assert "HOST[:PORT]" in usage.stderr
+
+
+SECRET = """\
+[egress]
+allow = ["api.example.test:443"]
+
+[[secret]]
+name = "API_TOKEN"
+from_env = "API_TOKEN"
+hosts = ["api.example.test:443"]
+"""
+
+RULE_ONLY = """\
+[egress]
+allow = ["api.example.test:443"]
+
+[[request_rule]]
+hosts = ["api.example.test:443"]
+methods = ["GET"]
+"""
+
+
+def test_check_warns_that_serve_needs_a_ca_for_secrets_and_request_rules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """serve refuses to start on these without a CA (run makes its own): check says so in
+    one warning line, and the policy is still valid (exit 0)."""
+    for name, text in (("secret.toml", SECRET), ("rule.toml", RULE_ONLY)):
+        path = write(tmp_path, name, text)
+        assert main(["check", path]) == 0
+        out = capsys.readouterr().out
+        warned = [line for line in out.splitlines() if "serve needs a CA" in line]
+        assert len(warned) == 1, out
+        assert warned[0].startswith("  warning: ") and "[tls] ca_cert and ca_key" in warned[0]
+        assert "--ca-cert and --ca-key" in warned[0]
+    (tmp_path / "ca.pem").write_text("")
+    (tmp_path / "ca.key").write_text("")
+    tls = f'\n[tls]\nca_cert = "{tmp_path / "ca.pem"}"\nca_key = "{tmp_path / "ca.key"}"\n'
+    with_ca = write(tmp_path, "with-ca.toml", SECRET + tls)
+    assert main(["check", with_ca]) == 0
+    assert "serve needs a CA" not in capsys.readouterr().out
+    assert main(["check", write(tmp_path, "good.toml", GOOD)]) == 0
+    assert "serve needs a CA" not in capsys.readouterr().out

@@ -183,3 +183,36 @@ def test_a_leaf_is_made_anew_before_it_runs_out() -> None:
     assert ca.server_context("api.example") is first
     now[0] += 2
     assert ca.server_context("api.example") is not first
+
+
+def test_a_from_command_that_writes_endlessly_is_cut_and_killed(tmp_path: Path) -> None:
+    """Reading stops just past 64 KiB: the command (and what it started) is killed and the
+    entry named, long before the time limit, and the output never filled our memory."""
+    pidfile = tmp_path / "pid"
+    script = f"yes 0123456789abcdef & echo $! > {pidfile}; wait"
+    spec = _policy().secrets[0]._replace(where=("sh", "-c", script))
+    started = time.monotonic()
+    with pytest.raises(SecretError) as caught:
+        read_value(spec, {})
+    assert time.monotonic() - started < broker_module.COMMAND_TIMEOUT / 3
+    message = str(caught.value)
+    assert message.startswith("[[secret]] TOK: from_command sh -c "), message
+    assert message.endswith("printed more than 64 KiB"), message
+    assert "\n" not in message
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), "the writing command outlived the cut"
+
+
+def test_a_value_of_exactly_64_kib_and_its_line_end_is_read() -> None:
+    spec = (
+        _policy()
+        .secrets[0]
+        ._replace(where=("sh", "-c", "head -c 65536 /dev/zero | tr '\\0' x; echo"))
+    )
+    assert read_value(spec, {}) == "x" * 65536
+    longer = spec._replace(where=("sh", "-c", "head -c 65537 /dev/zero | tr '\\0' x; echo"))
+    with pytest.raises(SecretError, match="printed more than 64 KiB"):
+        read_value(longer, {})

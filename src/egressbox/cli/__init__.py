@@ -482,7 +482,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: ok ({_summary(policy)})")
         if not args.quiet:
-            for warning in policy.warnings:
+            from egressbox.core.secrets import serve_needs_ca
+
+            ca = serve_needs_ca(policy.secrets, policy.request_rules, policy.tls)
+            for warning in (*policy.warnings, *([ca] if ca else [])):
                 print(f"  warning: {warning}")
     return status
 

@@ -118,6 +118,12 @@ class LaunchPlan(NamedTuple):
     # main seccomp filter; its notification fd goes to the parent, whose supervisor connects
     # the command's sockets (runner/notify.py). Empty: no supervisor.
     connect_filter: bytes = b""
+    # ...which admits a unix socket connect in the host's view (no mount namespace) only under
+    # these roots, the write roots and socket roots (None: no filesystem rules, every path),
+    # and not to the host's sockets live under a write root at the start (only a socket root
+    # admits what is already there), as the constructed world would (runner/notify.py).
+    unix_roots: tuple[str, ...] | None = None
+    unix_hidden: tuple[str, ...] = ()
     # --user NAME (runner/account.py): (uid, gid, supplementary groups) the command becomes,
     # from a launcher started as root, after the namespaces and the view are made.
     run_as: tuple[int, int, tuple[int, ...]] | None = None

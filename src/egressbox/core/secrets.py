@@ -398,3 +398,16 @@ def parse_tls(data: Mapping[str, Any], problems: Problems) -> TlsSettings:
     if (paths["ca_cert"] is None) != (paths["ca_key"] is None):
         problems.problem("tls", "ca_cert and ca_key go together (the operator's CA for serve)")
     return TlsSettings(paths["origin_ca"], paths["ca_cert"], paths["ca_key"])
+
+
+def serve_needs_ca(
+    secrets: Sequence[SecretSpec], rules: Sequence[RequestRule], tls: TlsSettings
+) -> str | None:
+    """`check`'s warning for a policy `serve` would refuse as it stands: it terminates hosts
+    ([[secret]], [[request_rule]]) and names no CA (`run` makes its own per run)."""
+    if not (secrets or rules) or tls.ca_cert is not None:
+        return None
+    return (
+        "serve needs a CA for [[secret]] and [[request_rule]]: [tls] ca_cert and ca_key, "
+        "or --ca-cert and --ca-key (run makes its own)"
+    )

@@ -17,6 +17,7 @@ import ctypes
 import os
 import resource
 import secrets as random
+import select
 import shlex
 import signal
 import ssl
@@ -47,6 +48,9 @@ from egressbox.proxy.ca import CertificateAuthority, origin_context
 # its output kept (a token is far smaller; anything bigger is a mistake).
 COMMAND_TIMEOUT: Final = 30.0
 MAX_VALUE_BYTES: Final = 64 * 1024
+# The most of its output read: a value and its line end. Reading stops at one byte more and
+# the command's session is killed (a command that writes endlessly must not fill our memory).
+MAX_OUTPUT_BYTES: Final = MAX_VALUE_BYTES + 1
 PR_SET_DUMPABLE: Final = 4  # <linux/prctl.h>
 
 
@@ -80,8 +84,9 @@ def read_value(spec: SecretSpec, environ: Mapping[str, str]) -> str:
 
 
 def _run(argv: Sequence[str], where: str) -> bytes:
-    """The command's output. Its own session: on a timeout the whole group is killed (a
-    password manager's CLI may leave a helper behind holding the pipe)."""
+    """The command's output, at most MAX_OUTPUT_BYTES. Its own session: on a timeout or an
+    output too long the whole group is killed (a password manager's CLI may leave a helper
+    behind holding the pipe; a command that never stops writing must not fill our memory)."""
     command = f"from_command {shlex.join(argv)}"
     try:
         child = subprocess.Popen(  # the policy's own command, no shell
@@ -93,10 +98,23 @@ def _run(argv: Sequence[str], where: str) -> bytes:
         )
     except OSError as exc:
         raise SecretError(f"{where}: {command} cannot run: {exc.strerror}") from None
+    deadline = time.monotonic() + COMMAND_TIMEOUT
     with child:
+        assert child.stdout is not None
         try:
-            out, _ = child.communicate(timeout=COMMAND_TIMEOUT)
-        except subprocess.TimeoutExpired:
+            out = _bounded(child.stdout.fileno(), deadline)
+        except (TimeoutError, OverflowError) as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            if isinstance(exc, OverflowError):
+                raise SecretError(
+                    f"{where}: {command} printed more than {MAX_VALUE_BYTES // 1024} KiB"
+                ) from None
+            raise SecretError(f"{where}: {command} took longer than {COMMAND_TIMEOUT:g}s") from None
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # closed its output and kept running
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
             child.wait()
@@ -105,7 +123,29 @@ def _run(argv: Sequence[str], where: str) -> bytes:
         code = child.returncode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
         raise SecretError(f"{where}: {command} {how}")
-    return out[: MAX_VALUE_BYTES + 1]
+    return out
+
+
+def _bounded(fd: int, deadline: float) -> bytes:
+    """What `fd` gives until its end: TimeoutError past `deadline`, OverflowError as soon as
+    it gives more than MAX_OUTPUT_BYTES (nothing more is read)."""
+    chunks: list[bytes] = []
+    size = 0
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        if not poller.poll(left * 1000):
+            continue
+        chunk = os.read(fd, MAX_OUTPUT_BYTES + 1 - size)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_OUTPUT_BYTES:
+            raise OverflowError
 
 
 def _text(data: bytes, where: str) -> str:

@@ -345,7 +345,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         if Mechanism.SECCOMP in chosen:
             plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
         if supervised:
-            plan = _supervised(plan)
+            plan = _supervised(plan, roots.sockets)
         if supervised and not capture_off:
             host_capture = face.bind_host_capture()
         return _finish(
@@ -400,7 +400,7 @@ def _connects_off(chosen: frozenset[Mechanism]) -> str:
     return notify.support()
 
 
-def _supervised(plan: LaunchPlan) -> LaunchPlan:
+def _supervised(plan: LaunchPlan, socket_roots: Sequence[str]) -> LaunchPlan:
     from egressbox.confine import notify
 
     # No UDP for the command without a namespace: the main filter's plain variant, and the
@@ -408,7 +408,16 @@ def _supervised(plan: LaunchPlan) -> LaunchPlan:
     program = plan.seccomp_program
     if plan.capture and program:
         program = _compiled_seccomp(allow_udp=False)
-    return plan._replace(connect_filter=notify.program(), seccomp_program=program, capture=False)
+    plan = plan._replace(connect_filter=notify.program(), seccomp_program=program, capture=False)
+    if plan.world is not None or not plan.has(Mechanism.LANDLOCK_FS):
+        return plan  # a constructed view holds only grants; no filesystem rules: every path
+    # The host's view: Landlock does not cover connect(2) to a pathname socket, so the
+    # supervisor admits one only where the world would have it (the write roots and the
+    # socket roots), and not to a host socket already live under a write root.
+    sockets = tuple(os.path.realpath(p) for p in socket_roots)
+    write = tuple(os.path.realpath(p) for p in plan.write)
+    hidden = live_sockets(write, sockets)
+    return plan._replace(unix_roots=(*write, *sockets), unix_hidden=hidden)
 
 
 def _finish(

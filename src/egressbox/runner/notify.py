@@ -13,8 +13,11 @@ the socket is connected where we decided.
   before the proxy accepts; the proxy decides it as `tcp` with that destination;
 - unix sockets: connected by us to the same path (a relative one from the command's directory),
   with the command's rights under `--user NAME` (this thread's fsuid, fsgid and groups are
-  NAME's for the walk and the connect: root's would reach sockets NAME may not); abstract
-  names only when the command has no Landlock scope (we would step over it);
+  NAME's for the walk and the connect: root's would reach sockets NAME may not); in the host's
+  view (no mount namespace) only a socket under a write root or a socket root, and not a host
+  socket that was live under a write root at the start (EACCES otherwise: Landlock does not
+  cover connect(2) to a pathname socket, so this is where the grants hold); abstract names
+  only when the command has no Landlock scope (we would step over it);
 - anything else: EAFNOSUPPORT (other families) or EPERM (non-stream inet sockets).
 
 A dedicated thread, not the event loop: notifications come before the loop runs (the command
@@ -56,6 +59,11 @@ PIDFD_THREAD: Final = os.O_EXCL
 LOOPBACK: Final = "127.0.0.1"
 MAPPED_LOOPBACK: Final = "::ffff:127.0.0.1"
 
+# A unix socket outside the grants: what a tool reports as "Permission denied" (Docker's CLI:
+# "permission denied while trying to connect to the Docker daemon socket"), true of a grant,
+# where ECONNREFUSED would say the daemon is down.
+REFUSED: Final = errno.EACCES
+
 _libc = ctypes.CDLL(None, use_errno=True)
 # A connect asked again while the first is under way keeps its side-table entry.
 _STILL_CONNECTING: Final = frozenset({0, errno.EINPROGRESS, errno.EALREADY, errno.EISCONN})
@@ -73,9 +81,13 @@ class ConnectSupervisor:
         destinations: Destinations,
         abstract_allowed: bool,
         as_user: tuple[int, int, tuple[int, ...]] | None = None,
+        unix_roots: Sequence[str] | None = None,
+        unix_hidden: Sequence[str] = (),
     ) -> None:
         self._fd = listener
         self._as_user = as_user
+        self._grants = None if unix_roots is None else UnixGrants(unix_roots, unix_hidden)
+        self.unix_refused = 0  # unix connects refused outside the grants
         self._proxy_ports = frozenset(proxy_ports)
         self._capture_port = capture_port
         self.destinations = destinations
@@ -244,25 +256,68 @@ class ConnectSupervisor:
         try:
             # The command's root and directory are opened with our rights (a /proc link of
             # another task's); the walk below them and the connect with the command's own.
-            same = not path.startswith(b"/") and _same_root(pid)
+            same = _same_root(pid)
             base = _view_base(pid, path)
         except OSError as exc:
             return exc.errno or errno.ENOENT
+        # In a view of its own (a constructed root) only granted sockets exist; in ours, the
+        # grants are checked here. An absolute path starts at the command's root and climbs
+        # no higher.
+        grants = self._grants if same else None
+        relative = same and not path.startswith(b"/")
         try:
             with _thread_credentials(self._as_user):
-                return _connect_in_view(sock_fd, base, path, same_root=same)
+                err = _connect_in_view(sock_fd, base, path, same_root=relative, grants=grants)
         except OSError as exc:
             return exc.errno or errno.EACCES
         finally:
             os.close(base)
+        if err == REFUSED:
+            self.unix_refused += 1
+        return err
 
 
-def _connect_in_view(sock_fd: int, base: int, path: bytes, *, same_root: bool) -> int:
+class UnixGrants:
+    """Where the host's view admits a unix socket connect: the socket lies under one of
+    `roots` (real paths) and is none of `hidden` (the host's sockets live under a write root
+    at the start, compared by device and inode: a hard link elsewhere is the same socket)."""
+
+    def __init__(self, roots: Sequence[str], hidden: Sequence[str]) -> None:
+        self.roots = tuple(os.path.realpath(r) for r in roots)
+        self.hidden = frozenset(_identities(hidden))
+
+    def admits(self, node: int) -> bool:
+        """Whether the O_PATH descriptor `node` (the socket the walk found) is granted: by its
+        path as the kernel reports it, of the one object the connect will reach."""
+        try:
+            where = os.readlink(f"/proc/self/fd/{node}")
+            found = os.fstat(node)
+        except OSError:
+            return False
+        if not where.startswith("/") or (found.st_dev, found.st_ino) in self.hidden:
+            return False
+        return any(where == r or where.startswith(r.rstrip("/") + "/") for r in self.roots)
+
+
+def _identities(paths: Sequence[str]) -> Iterator[tuple[int, int]]:
+    for path in paths:
+        try:
+            found = os.lstat(path)
+        except OSError:
+            continue  # gone since it was listed: nothing to refuse
+        yield found.st_dev, found.st_ino
+
+
+def _connect_in_view(
+    sock_fd: int, base: int, path: bytes, *, same_root: bool, grants: UnixGrants | None
+) -> int:
     try:
         node = _socket_node(base, path, same_root=same_root)
     except OSError as exc:
         return exc.errno or errno.ENOENT
     try:
+        if grants is not None and not grants.admits(node):
+            return REFUSED
         address = f"/proc/self/fd/{node}".encode()
         return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + address + b"\0")
     finally:

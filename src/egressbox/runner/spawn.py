@@ -132,6 +132,9 @@ class Launched:
     run_as: tuple[int, int, tuple[int, ...]] | None = None
     connects: ConnectSupervisor | None = None
     destinations: Destinations | None = None
+    # Where it admits a unix socket connect (LaunchPlan.unix_roots, unix_hidden).
+    unix_roots: tuple[str, ...] | None = None
+    unix_hidden: tuple[str, ...] = ()
     connects_off = ""
 
     def __init__(
@@ -180,6 +183,8 @@ class Launched:
             destinations=self.destinations if self.destinations is not None else Destinations(),
             abstract_allowed=self.abstract_allowed,
             as_user=self.run_as,
+            unix_roots=self.unix_roots,
+            unix_hidden=self.unix_hidden,
         )
         self.connects.start()
 
@@ -331,6 +336,8 @@ def _supervised(launched: Launched, prepared: Prepared) -> None:
     launched.supervise_connects = True
     launched.abstract_allowed = not prepared.plan.has(Mechanism.LANDLOCK_SCOPE)
     launched.run_as = prepared.plan.run_as
+    launched.unix_roots = prepared.plan.unix_roots
+    launched.unix_hidden = prepared.plan.unix_hidden
     launched.destinations = Destinations()
     capture, prepared.host_capture = prepared.host_capture, None
     if capture is not None:
