@@ -14,7 +14,7 @@ import pytest
 
 from egressbox.confine import face
 from egressbox.confine.env import Scratch
-from egressbox.confine.plan import HOST_NEEDS, FsPlan, HostFacts, Mechanism, Profile
+from egressbox.confine.grants import HOST_NEEDS, FsPlan, HostFacts, Mechanism, Profile
 
 ALL = frozenset(Mechanism)
 EVERYTHING = HostFacts(frozenset(HOST_NEEDS.values()), landlock_abi=7)

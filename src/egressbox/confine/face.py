@@ -17,8 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from egressbox.confine import netns
-from egressbox.confine.launcher import LaunchPlan
-from egressbox.confine.plan import (
+from egressbox.confine.grants import (
     CAPTURE_FILES,
     FsPlan,
     HostFacts,
@@ -29,6 +28,7 @@ from egressbox.confine.plan import (
     is_under,
     socket_bind_roots,
 )
+from egressbox.confine.launcher import LaunchPlan
 from egressbox.core.errors import EgressboxError
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def plan(request: Request, facts: HostFacts) -> Plan:
     readable, writable = granted_paths(r.fs, r.workspaces, r.process_write, r.socket_roots)
     # Only socket roots admit a socket: a bind there (read-write bind, Landlock admitting the
     # making of a socket and no other write) and a connect; a live socket under any other
-    # grant is covered (plan.py sockets_to_hide). Without Landlock's filesystem rules a
+    # grant is covered (grants.py sockets_to_hide). Without Landlock's filesystem rules a
     # read-write bind would make the socket root writable: it stays read-only (connect only).
     landlock = Mechanism.LANDLOCK_FS in chosen
     socket_bind = socket_bind_roots(r.socket_roots, r.fs.write, writable) if landlock else ()

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from egressbox.confine import staging, syscalls
-from egressbox.confine.plan import WorldSpec
+from egressbox.confine.grants import WorldSpec
 from egressbox.confine.staging import StagingSpec
 from egressbox.confine.syscalls import (
     MNT_DETACH,

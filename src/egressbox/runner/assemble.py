@@ -25,8 +25,7 @@ from egressbox.confine.env import (
     proxy_variables,
 )
 from egressbox.confine.executable import Executable, resolve_command
-from egressbox.confine.launcher import LaunchPlan, give_directories
-from egressbox.confine.plan import (
+from egressbox.confine.grants import (
     ADMIT_HINT,
     CREDENTIALS,
     DEFAULT_PROFILE,
@@ -52,6 +51,7 @@ from egressbox.confine.plan import (
     tmpfs_sizes,
     wanted,
 )
+from egressbox.confine.launcher import LaunchPlan, give_directories
 from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot, plan_caches
 from egressbox.core.errors import EgressboxError
 from egressbox.runner.account import Account
@@ -812,7 +812,7 @@ def _launch_plan(
     readable, writable = face.granted_paths(fs, workspaces, process_write, socket_roots)
     hidden = live_sockets((*readable, *writable), socket_roots) if mounts else ()
     # One memory figure for the run: a cgroup where the host delegates one; the private file
-    # systems' sizes fit in it either way (confine/plan.py tmpfs_sizes).
+    # systems' sizes fit in it either way (confine/grants.py tmpfs_sizes).
     budget = options.max_memory or _half_the_memory()
     tmp, shm = tmpfs_sizes(budget)
     group, group_off = _cgroup(budget, options.max_processes)
