@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from egressbox.confine import netns
 from egressbox.confine.cgroup import CgroupPlan
-from egressbox.confine.grants import CAPTURE_FILES, Mechanism, WorldSpec
+from egressbox.confine.grants import CAPTURE_FILES, Mechanism, WorldSpec, is_under
 from egressbox.confine.staging import StagingSpec
 from egressbox.core.exitcodes import (
     CAUSE_CODES,
@@ -302,7 +302,7 @@ def _walk_etc(plan: LaunchPlan) -> None:
         return
     from egressbox.confine import world
 
-    if any(world.is_under("/etc", os.path.realpath(p)) for p, _ in plan.world.grants):
+    if any(is_under("/etc", os.path.realpath(p)) for p, _ in plan.world.grants):
         if _PROGRESS.etc_hidden is None:  # not walked while the plan was awaited
             _PROGRESS.etc_hidden = world.unreadable_to_others("/etc")
     else:
