@@ -1,8 +1,11 @@
 """The launch plan of a run, assembled from its options and the host's facts.
 
-Everything decided before the fork: the profile's mechanisms, the roots, the child's world
-(confine/world.py), its environment and the refusals a plan needs. The only I/O here reads the
-host (paths, the command on PATH); nothing is created or changed.
+Everything decided before the fork: the runner reads the host (paths, the command on PATH,
+the environment) and builds a Request; confinement plans through its face (confine/face.py:
+the profile's mechanisms and refusals, the filesystem grants, the child's world, the plan
+itself). What is made on the host for the run is made by named set-up steps, never by a
+planning step: the face's (scratch space, the proxy's listeners without a network
+namespace) and the staged workspace's layer (runner/gate.py).
 """
 
 from __future__ import annotations
@@ -24,10 +27,7 @@ from egressbox.confine.env import (
 )
 from egressbox.confine.executable import Executable, resolve_command
 from egressbox.confine.grants import (
-    CREDENTIALS,
     DEFAULT_PROFILE,
-    PRESETS,
-    USER_TEMP,
     Enforcement,
     FsPlan,
     HostFacts,
@@ -869,10 +869,10 @@ def _check_cwd(
     hidden: tuple[str, ...] = ()
     if files:
         # Presets count too, except what the world makes fresh (its /tmp is not the host's).
-        presets = [expand_user(p, home) for name in options.presets for p in PRESETS.get(name, ())]
+        presets = face.preset_paths(options.presets, home)
         granted += tuple(p for p in (*presets, *executables) if p not in CONSTRUCTED_PATHS)
         if not any(is_under(cwd, r) for r in roots):
-            deny = (*(expand_user(p, home) for p in CREDENTIALS), *expand(options.deny, home))
+            deny = (*face.credential_paths(home), *expand(options.deny, home))
             hidden = (*deny, *CONSTRUCTED_PATHS)
         refuse_private_roots(roots, cwd)
     refuse_cwd_outside(cwd, granted, hidden, layout.project)
@@ -1065,7 +1065,7 @@ def _refuse_own_state(
     from egressbox.confine.cache import STATE_ENV
 
     # With a mount namespace /tmp and /var/tmp are the child's own, not the host's.
-    private = USER_TEMP if Mechanism.MOUNT_NAMESPACE in chosen else ()
+    private = face.private_paths(Mechanism.MOUNT_NAMESPACE in chosen)
     roots = [(w, os.path.realpath(w)) for w in writable if w not in private]
     state = os.path.realpath(_cache_dir())
     for root, real in roots:
