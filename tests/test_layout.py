@@ -205,8 +205,8 @@ def test_imports_follow_the_floor_plan() -> None:
 def test_the_floor_plan_test_catches_a_wrong_way_import() -> None:
     graph = {k: set(v) for k, v in _graph().items()}
     graph["egressbox.core.hosts"].add("egressbox.proxy.gate")
-    graph["egressbox.net.dial"].add("egressbox.confine.plan")
+    graph["egressbox.net.dial"].add("egressbox.confine.grants")
     assert wrong_way(graph) == [
         "egressbox.core.hosts -> egressbox.proxy.gate",
-        "egressbox.net.dial -> egressbox.confine.plan",
+        "egressbox.net.dial -> egressbox.confine.grants",
     ]

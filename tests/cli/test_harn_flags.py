@@ -8,7 +8,7 @@ import pytest
 
 from egressbox import cli
 from egressbox.cli.run import _cli_options
-from egressbox.confine.plan import (
+from egressbox.confine.grants import (
     SYSTEM_RUNTIME,
     Profile,
     bound_socket_paths,

@@ -30,7 +30,7 @@ import pytest
 
 import egressbox
 from egressbox import cli
-from egressbox.confine.plan import HOST_NEEDS, HostFacts, Mechanism, Profile
+from egressbox.confine.grants import HOST_NEEDS, HostFacts, Mechanism, Profile
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.facts import host_facts
 from egressbox.runner.options import RunOptions, RunRefusedError
@@ -274,7 +274,7 @@ def test_worktree_is_best_effort_and_warns(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
         import json, sys
-        from egressbox.confine.plan import HostFacts, Profile
+        from egressbox.confine.grants import HostFacts, Profile
         from egressbox.runner.options import RunOptions
         from egressbox.runner.api import run_options_sync
         names = ["landlock", "seccomp", "no_new_privs", "user_namespace", "network_namespace",

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from egressbox.confine import capture, netns, syscalls, world
-from egressbox.confine.plan import (
+from egressbox.confine.grants import (
     CAPTURE_FILES,
     CAPTURE_HOSTS,
     CAPTURE_RESOLV_CONF,
@@ -378,7 +378,7 @@ def test_capture_off_is_said_not_refused(
 
 
 def test_the_launchers_word_decides_the_report() -> None:
-    from egressbox.confine.plan import Mechanism, Profile
+    from egressbox.confine.grants import Mechanism, Profile
     from egressbox.runner.assemble import applied_report
 
     chosen = frozenset({Mechanism.NETWORK_NAMESPACE})

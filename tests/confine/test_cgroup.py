@@ -1,5 +1,5 @@
 """The run's memory budget: the cgroup probe (confine/cgroup.py) and the tmpfs sizes
-(confine/plan.py tmpfs_sizes), on fake cgroup trees and as pure arithmetic."""
+(confine/grants.py tmpfs_sizes), on fake cgroup trees and as pure arithmetic."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from egressbox.confine import cgroup, world
-from egressbox.confine.plan import FIXED_TMPFS_BYTES, tmpfs_sizes, tmpfs_total
+from egressbox.confine.grants import FIXED_TMPFS_BYTES, tmpfs_sizes, tmpfs_total
 from egressbox.core.policy import MIN_MAX_MEMORY
 
 MOUNTINFO = "30 1 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"

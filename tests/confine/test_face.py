@@ -7,6 +7,8 @@ import builtins
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 
 from egressbox.confine import face
 from egressbox.confine.env import Scratch
-from egressbox.confine.plan import HOST_NEEDS, FsPlan, HostFacts, Mechanism, Profile
+from egressbox.confine.grants import HOST_NEEDS, FsPlan, HostFacts, Mechanism, Profile
 
 ALL = frozenset(Mechanism)
 EVERYTHING = HostFacts(frozenset(HOST_NEEDS.values()), landlock_abi=7)
@@ -43,8 +45,6 @@ def _request(**changes: Any) -> face.Request:
         rlimit_as=None,
         max_processes=4096,
         memory=1 << 30,
-        tmp_size=1 << 29,
-        shm_size=1 << 28,
         cgroup=None,
         cgroup_off="no cgroup here",
         host_ports=(),
@@ -107,3 +107,35 @@ def test_launch_forks_a_launcher_that_holds_its_ends(tmp_path: Any) -> None:
 
 # How long a launcher whose channel closed may take to end (it imports its modules first).
 LAUNCHER_BOUND = 10.0
+
+
+def test_the_face_is_the_package_s_names_and_loads_only_when_asked() -> None:
+    """`egressbox.confine.plan(...)` and `.launch(...)` are the face's; importing the package
+    (every confine module does) loads neither the face nor the launcher."""
+    code = (
+        "import sys, egressbox.confine as c\n"
+        "assert 'egressbox.confine.face' not in sys.modules\n"
+        "assert 'egressbox.confine.launcher' not in sys.modules\n"
+        "from egressbox.confine import face\n"
+        "assert c.plan is face.plan and c.launch is face.launch\n"
+        "assert c.Plan is face.Plan and c.Launched is face.Launched\n"
+        "assert c.Request is face.Request\n"
+        "try:\n    c.nothing\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_worktree_gaps_are_said_or_refused_and_os_hardened_refuses() -> None:
+    no_landlock = HostFacts(EVERYTHING.available - {"landlock"}, landlock_abi=0)
+    warn = face.choose(Profile.WORKTREE, no_landlock, files_off=False, enforce=False)
+    assert warn.refusals == [] and Mechanism.LANDLOCK_FS in warn.gaps
+    enforce = face.choose(Profile.WORKTREE, no_landlock, files_off=False, enforce=True)
+    assert {r.mechanism for r in enforce.refusals} == set(warn.gaps)
+    assert all(r.selector_honored for r in enforce.refusals) and enforce.gaps == ()
+    hardened = face.choose(Profile.OS_HARDENED, no_landlock, files_off=False, enforce=False)
+    assert hardened.refusals and not any(r.selector_honored for r in hardened.refusals)
+    off = face.choose(Profile.WORKTREE, no_landlock, files_off=True, enforce=True)
+    assert off.refusals == [] and off.gaps == () and Mechanism.MOUNT_NAMESPACE not in off.chosen

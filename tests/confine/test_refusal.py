@@ -599,7 +599,7 @@ def test_requirement_and_selector(
 
 
 def test_a_mechanism_refusal_carries_requirement_and_selector() -> None:
-    from egressbox.confine.plan import Mechanism, Profile, Refusal
+    from egressbox.confine.grants import Mechanism, Profile, Refusal
 
     hard = Refusal(Mechanism.SECCOMP, "absent_on_host", Profile.OS_HARDENED, "x")
     assert (hard.requirement, hard.selector_honored) == ("profile", False)

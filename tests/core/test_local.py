@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from egressbox.confine.plan import CAPTURE_HOSTS
+from egressbox.confine.grants import CAPTURE_HOSTS
 from egressbox.core.errors import PolicyError
 from egressbox.core.local import LOOPBACK_ADDRESSES, LOOPBACK_NAME, grants_needed
 from egressbox.core.policy import ENV_ALLOW_CIDRS, parse_policy

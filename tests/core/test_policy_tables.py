@@ -15,7 +15,7 @@ import pytest
 from egressbox import cli
 from egressbox.cli.run import _cli_options
 from egressbox.confine.env import EnvPolicy
-from egressbox.confine.plan import DEFAULT_PRESETS, PRESETS, Profile
+from egressbox.confine.grants import DEFAULT_PRESETS, PRESETS, Profile
 from egressbox.core.errors import PolicyError
 from egressbox.core.policy import (
     ENV_POLICIES,
@@ -102,7 +102,7 @@ def test_defaults_change_nothing() -> None:
 
 
 def test_names_match_the_confinement_enums() -> None:
-    from egressbox.confine.plan import PROFILE_NAMES
+    from egressbox.confine.grants import PROFILE_NAMES
 
     assert PROFILE_NAMES == PROFILES
     assert {Profile(name) for name in PROFILES} == set(Profile)
@@ -483,7 +483,7 @@ def test_process_roots_from_the_table_flags_and_keywords_add_up() -> None:
 
 
 def test_process_roots_are_granted_but_hold_no_scratch_space(tmp_path: Path) -> None:
-    from egressbox.confine.plan import HostFacts
+    from egressbox.confine.grants import HostFacts
     from egressbox.runner.assemble import prepare
 
     workspace, cache, tools = tmp_path / "ws", tmp_path / "cache", tmp_path / "tools"

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.confine import cache, capture, probe
-from egressbox.confine import plan as confine_plan
-from egressbox.confine.plan import HostFacts
+from egressbox.confine import cache, capture, grants, probe
+from egressbox.confine.grants import HostFacts
 from egressbox.runner import facts
 
 CHILD_TIMEOUT = 60
@@ -44,7 +43,7 @@ def _forge(key: dict[str, str], available: frozenset[str], abi: int = 0) -> Host
 def test_the_lists_match_the_modules_they_mirror() -> None:
     assert facts.MECHANISMS == probe.MECHANISMS
     assert tuple(m.name for m in probe.probe_host().mechanisms()) == facts.MECHANISMS
-    assert max(confine_plan._MIN_ABI.values()) == facts.PLANNED_ABI
+    assert max(grants._MIN_ABI.values()) == facts.PLANNED_ABI
     from egressbox.confine.seccomp import _SONAMES
 
     assert set(facts.LIBRARIES) == {_SONAMES["seccomp"], capture.LIBRARY}

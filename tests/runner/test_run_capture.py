@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.confine.plan import CAPTURE_HOSTS, CAPTURE_RESOLV_CONF
+from egressbox.confine.grants import CAPTURE_HOSTS, CAPTURE_RESOLV_CONF
 from egressbox.runner.facts import host_facts
 from unprivileged import Actor
 

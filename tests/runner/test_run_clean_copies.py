@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.confine.plan import HostFacts
+from egressbox.confine.grants import HostFacts
 from egressbox.core.policy import parse_policy
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.facts import host_facts

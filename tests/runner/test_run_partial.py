@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from egressbox.confine import notify
-from egressbox.confine.plan import Enforcement, HostFacts, Profile
+from egressbox.confine.grants import Enforcement, HostFacts, Profile
 from egressbox.core.policy import parse_policy
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.facts import host_facts

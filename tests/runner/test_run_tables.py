@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.confine.plan import CREDENTIALS, HostFacts, Profile, expand_user
+from egressbox.confine.grants import CREDENTIALS, HostFacts, Profile, expand_user
 from egressbox.core.policy import parse_policy
 from egressbox.runner.assemble import prepare
 from egressbox.runner.facts import host_facts

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from egressbox.confine.plan import HostFacts, Profile
+from egressbox.confine.grants import HostFacts, Profile
 from egressbox.core.errors import EgressboxError
 from egressbox.runner.assemble import Prepared, prepare
 from egressbox.runner.options import RunRefusedError, options_for

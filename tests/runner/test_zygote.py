@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from egressbox import cli
-from egressbox.confine.plan import HostFacts, Mechanism
+from egressbox.confine.grants import HostFacts, Mechanism
 from egressbox.runner import zygote
 from egressbox.runner.assemble import prepare
 from egressbox.runner.facts import host_facts

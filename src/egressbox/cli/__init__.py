@@ -764,7 +764,7 @@ def _core_line() -> str:
 
 def profile_support(support: object) -> dict[str, dict[str, object]]:
     """What each `run` profile would enforce on this host, and what it would refuse."""
-    from egressbox.confine.plan import HostFacts, Profile, choose_mechanisms, wanted
+    from egressbox.confine.grants import HostFacts, Profile, choose_mechanisms, wanted
     from egressbox.confine.probe import HostSupport
     from egressbox.runner.assemble import SUPERVISOR, planned_network_boundary
 

@@ -1,9 +1,31 @@
 """Confinement of child processes: host probing, Landlock, seccomp and namespaces.
 
-Its face is confine/face.py: face.plan(request, facts) -> Plan, pure, and face.launch(plan) ->
-Launched. (The name `confine.plan` is the module of the plan's types, confine/plan.py, which
-the probe and the policy tables import; the face's functions live beside it.)
+Its face (confine/face.py): `confine.plan(request, facts) -> Plan`, pure, and
+`confine.launch(plan) -> Launched`, with the Request the caller builds from what it read of the
+host. The plan's vocabulary and tables (profiles, mechanisms, refusals, presets, the world's
+spec) are confine/grants.py.
 
 Irreversible steps (restrict_self, loading a seccomp filter, unshare) only ever run in a child
 process.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from egressbox.confine.face import Launched, Plan, Request, launch, plan
+
+__all__ = ["Launched", "Plan", "Request", "launch", "plan"]
+
+# Loaded on first use: every confine module imports this package first (the probe, the cache,
+# the launcher's preloads), and the face pulls in the launcher's module.
+_FACE = frozenset(__all__)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FACE:
+        from egressbox.confine import face
+
+        return getattr(face, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from egressbox.confine.plan import CAPTURE_DNS_HOST
+from egressbox.confine.grants import CAPTURE_DNS_HOST
 
 # Where the child's resolver is pointed (its /etc/resolv.conf says so): inside 127.0.0.0/8,
 # which lo holds, apart from 127.0.0.1 where the proxy listens.

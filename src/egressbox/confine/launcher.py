@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from egressbox.confine import netns
 from egressbox.confine.cgroup import CgroupPlan
-from egressbox.confine.plan import CAPTURE_FILES, Mechanism, WorldSpec
+from egressbox.confine.grants import CAPTURE_FILES, Mechanism, WorldSpec, is_under
 from egressbox.confine.staging import StagingSpec
 from egressbox.core.exitcodes import (
     CAUSE_CODES,
@@ -241,7 +241,7 @@ def _enter_cgroup(plan: LaunchPlan) -> str:
     spec = plan.world
     tmpfs = 0
     if spec is not None and spec.tmp_size.isdigit() and spec.shm_size.isdigit():
-        from egressbox.confine.plan import tmpfs_total
+        from egressbox.confine.grants import tmpfs_total
 
         tmpfs = tmpfs_total(int(spec.tmp_size), int(spec.shm_size))
     memory: dict[str, Any] = {"budget": plan.rlimit_data, "rlimit_data": plan.rlimit_data}
@@ -308,7 +308,7 @@ def _walk_etc(plan: LaunchPlan) -> None:
         return
     from egressbox.confine import world
 
-    if any(world.is_under("/etc", os.path.realpath(p)) for p, _ in plan.world.grants):
+    if any(is_under("/etc", os.path.realpath(p)) for p, _ in plan.world.grants):
         if _PROGRESS.etc_hidden is None:  # not walked while the plan was awaited
             _PROGRESS.etc_hidden = world.unreadable_to_others("/etc")
     else:
@@ -895,7 +895,7 @@ def _without_mounts(plan: LaunchPlan) -> tuple[tuple[str, ...], tuple[str, ...]]
     read-only one is split the same way, the read-only part granted for reading.
     Entries created later directly in a split directory are not granted.
     """
-    from egressbox.confine.plan import expand_excluding
+    from egressbox.confine.grants import expand_excluding
 
     deny = plan.deny
     read = [p for root in plan.read for p in expand_excluding(root, deny)]

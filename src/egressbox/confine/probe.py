@@ -32,7 +32,7 @@ from egressbox.confine.blockers import (
     NamespaceFacts,
     blocker,
 )
-from egressbox.confine.plan import PROBED_MECHANISMS
+from egressbox.confine.grants import PROBED_MECHANISMS
 
 # Namespace flags for unshare(2) (<sched.h>); Python 3.11 has no os.unshare.
 CLONE_NEWNS = 0x00020000

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from egressbox.confine.grants import is_under
 from egressbox.confine.toolchains import CacheMode, CacheRoot, cache_hint, innermost
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ class PathPlan:
 
     def _binding(self, path: str) -> tuple[str, bool] | None:
         """The innermost bound-back path holding `path`."""
-        found = [(root, w) for root, w in self.bound_back if _is_under(path, root)]
+        found = [(root, w) for root, w in self.bound_back if is_under(path, root)]
         return max(found, key=lambda entry: len(entry[0])) if found else None
 
     def readable(self, path: str) -> bool:
@@ -207,7 +208,7 @@ class PathPlan:
         return not self.landlock_fs or _under_any(path, self.write)
 
     def under_home(self, path: str) -> bool:
-        return any(h not in ("", "/") and _is_under(path, h) for h in self.homes)
+        return any(h not in ("", "/") and is_under(path, h) for h in self.homes)
 
 
 @dataclass(frozen=True)
@@ -354,12 +355,8 @@ def _plausible(path: str, *, spaces: bool = False) -> bool:
     return "\x00" not in path and not blank
 
 
-def _is_under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def _under_any(path: str, roots: Sequence[str]) -> bool:
-    return any(_is_under(path, root) for root in roots)
+    return any(is_under(path, root) for root in roots)
 
 
 # -- judging -------------------------------------------------------------------------------
@@ -460,7 +457,7 @@ def _write_hint(path: str, host: HostPath, plan: PathPlan) -> str:
         return "the workspace is read-only (--read-only-workspace): nothing in it is writable"
     if _under_any(path, plan.always_read_only):
         return "kernel interfaces are always read-only inside the sandbox"
-    nested = [r for r in plan.read_only if _is_under(path, r)]
+    nested = [r for r in plan.read_only if is_under(path, r)]
     if nested:
         return f"it is inside the read-only root {nested[0]}"
     # An existing file or directory is granted as it is; a new one needs its directory.
@@ -472,7 +469,7 @@ def _admits(flag: str, target: str, plan: PathPlan) -> str:
     """`FLAG TARGET admits it`, unless TARGET is `/`, a home directory or a parent of one:
     such a grant would open far more than the one path the command asked for."""
     too_wide = target == "/" or any(
-        home not in ("", "/") and _is_under(home, target) for home in plan.homes
+        home not in ("", "/") and is_under(home, target) for home in plan.homes
     )
     if too_wide:
         return (

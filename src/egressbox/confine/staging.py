@@ -35,7 +35,7 @@ import stat
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from egressbox.confine.plan import SHELL_STARTUP
+from egressbox.confine.grants import SHELL_STARTUP
 
 # -- openat2 ---------------------------------------------------------------------------------
 

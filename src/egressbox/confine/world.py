@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from egressbox.confine import staging, syscalls
-from egressbox.confine.plan import WorldSpec
+from egressbox.confine.grants import WorldSpec, is_under
 from egressbox.confine.staging import StagingSpec
 from egressbox.confine.syscalls import (
     MNT_DETACH,
@@ -248,10 +248,6 @@ def _check_absolute(spec: WorldSpec) -> None:
     relative = [p for p in paths if not os.path.isabs(p)]
     if relative:
         raise ValueError(f"world paths must be absolute: {relative}")
-
-
-def is_under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _depth(path: str) -> int:

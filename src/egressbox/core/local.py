@@ -8,7 +8,7 @@ never loopback). So an entry learned for a local registry (`localhost:5000`,
 grant is, for `audit --suggest-policy`, `run --save-approved` and `egressbox check`.
 
 Pure: no DNS. A name is local only when it is local by definition: `localhost` and names
-under `.localhost` (RFC 6761 §6.3), which the sandbox's /etc/hosts (confine/plan.py
+under `.localhost` (RFC 6761 §6.3), which the sandbox's /etc/hosts (confine/grants.py
 CAPTURE_HOSTS) and every stock resolver map to 127.0.0.1 and ::1.
 """
 
@@ -22,7 +22,7 @@ from egressbox.core.hosts import IPAddress, format_authority
 from egressbox.core.rules import IPNetwork
 
 LOOPBACK_NAME: Final = "localhost"
-# The addresses `localhost` has in the sandbox's /etc/hosts (confine/plan.py CAPTURE_HOSTS).
+# The addresses `localhost` has in the sandbox's /etc/hosts (confine/grants.py CAPTURE_HOSTS).
 LOOPBACK_ADDRESSES: Final[tuple[IPAddress, ...]] = (
     ipaddress.ip_address("127.0.0.1"),
     ipaddress.ip_address("::1"),

@@ -75,7 +75,7 @@ def _cidr_index() -> CidrIndex[IPNetwork]:
 
 
 # [process], [filesystem] and [env]: defaults for `egressbox run` (flags win or add).
-# Current names, then deprecated ones still read (confine/plan.py DEPRECATED_PROFILES).
+# Current names, then deprecated ones still read (confine/grants.py DEPRECATED_PROFILES).
 PROFILES = ("unrestricted", "worktree", "os_hardened", "workspace_paths")
 PRESETS = ("system_runtime", "developer_toolchains", "package_manager_config", "user_temp")
 ENV_POLICIES = ("inherited", "isolated", "granted")

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from egressbox.confine.executable import CommandNotFoundError
-from egressbox.confine.plan import (
+from egressbox.confine.grants import (
     HostFacts,
 )
 from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND

@@ -1,8 +1,11 @@
 """The launch plan of a run, assembled from its options and the host's facts.
 
-Everything decided before the fork: the profile's mechanisms, the roots, the child's world
-(confine/world.py), its environment and the refusals a plan needs. The only I/O here reads the
-host (paths, the command on PATH); nothing is created or changed.
+Everything decided before the fork: the runner reads the host (paths, the command on PATH,
+the environment) and builds a Request; confinement plans through its face (confine/face.py:
+the profile's mechanisms and refusals, the filesystem grants, the child's world, the plan
+itself). What is made on the host for the run is made by named set-up steps, never by a
+planning step: the face's (scratch space, the proxy's listeners without a network
+namespace) and the staged workspace's layer (runner/gate.py).
 """
 
 from __future__ import annotations
@@ -10,13 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from egressbox.confine import face
-from egressbox.confine.cgroup import CgroupPlan
 from egressbox.confine.env import (
     PORT_TEMPLATES,
     Scratch,
@@ -25,33 +26,19 @@ from egressbox.confine.env import (
     proxy_variables,
 )
 from egressbox.confine.executable import Executable, resolve_command
-from egressbox.confine.launcher import LaunchPlan, give_directories
-from egressbox.confine.plan import (
-    ADMIT_HINT,
-    CREDENTIALS,
+from egressbox.confine.grants import (
     DEFAULT_PROFILE,
-    HOST_NEEDS,
-    PACKAGE_MANAGER_CONFIG,
-    PRESETS,
-    PROC_NET_UNIX,
-    REQUIREMENT_FALLBACK,
-    USER_TEMP,
     Enforcement,
     FsPlan,
     HostFacts,
     Mechanism,
     Profile,
-    Refusal,
-    bound_socket_paths,
-    choose_mechanisms,
     expand_user,
     host_trusted,
     is_under,
-    plan_filesystem,
-    sockets_to_hide,
-    tmpfs_sizes,
     wanted,
 )
+from egressbox.confine.launcher import LaunchPlan
 from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot, plan_caches
 from egressbox.core.errors import EgressboxError
 from egressbox.runner.account import Account
@@ -229,9 +216,8 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     _check_cwd(cwd, layout, options, executables=executable.grants, files=files)
     if files:
         refuse_outside_parent(base.get(ENV_ROOTS), layout, options, home)
-    scratch, cleanup = _scratch(layout, mounts)
-    if account is not None and scratch is not None and not mounts:
-        _give_scratch(scratch, account)
+    owner = (account.uid, account.gid) if account is not None else None
+    scratch, cleanup = _scratch(layout, mounts, owner)
     brokering = _brokering(options, mounts, warnings)
     start = _Start(
         base, home, profile, chosen, warnings, layout, executable, scratch, cleanup, brokering
@@ -271,7 +257,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         base, policy=options.env_policy, grants=options.grants, remove=options.env_remove
     )
     warnings += [line for line in (held.notice(),) if line]
-    deny = _credential_paths(home, env.get("HOME")) + tuple(
+    deny = face.credential_paths(home, env.get("HOME")) + tuple(
         os.path.normpath(expand_user(p, home)) for p in options.deny
     )
     passed = _granted_files(options, home, deny, warnings)
@@ -286,7 +272,7 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         *_trusted_paths(options, layout.writable, roots.process_write, home),
         *layout.protect,
     )
-    fs = plan_filesystem(
+    fs = face.filesystem(
         home=home,
         write_roots=layout.writable,
         read_roots=(*roots.read, *layout.readable, *_outside(passed, layout.writable)),
@@ -296,16 +282,18 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         protected_files=trusted,
         process_read_roots=roots.process_read,
         process_write_roots=roots.process_write,
+        mounts=Mechanism.MOUNT_NAMESPACE in chosen,
+        host_scratch=start.cleanup if layout.read_only else (),
     )
     warnings += _denied_roots(roots, fs)
-    fs = _host_view(fs, chosen, trusted, start.cleanup if layout.read_only else ())
     _refuse_own_state(fs.write, chosen, files=files, own=_own_files(options, home))
     copies: tuple[tuple[str, str], ...] = ()
     notes: list[str] = []
     if files:
-        fs, copies = _clean_copies(
-            fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen, warnings, notes
-        )
+        clean = face.clean_copies(fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen)
+        fs, copies = clean.fs, clean.files
+        warnings += clean.warnings
+        notes += clean.notes
     if files:
         env[ENV_ROOTS] = roots_variable(fs, roots.sockets)
     if roots.sockets and files and Mechanism.LANDLOCK_FS not in chosen:
@@ -315,37 +303,31 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         )
     capture_off = _capture_off(options, chosen, facts)
     listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else face.bind_host_listeners()
-    supervised = Mechanism.NETWORK_NAMESPACE not in chosen and not _connects_off(chosen)
-    plan = _launch_plan(
-        options,
-        chosen,
-        facts=facts,
-        profile=profile,
-        executable=executable,
-        env=start.brokering.child_env(env) if start.brokering else env,
-        templates=templates,
-        fs=fs,
-        roots=roots,
-        scratch=scratch,
-        listeners=listeners,
-        capture_off=capture_off,
-        copies=(*copies, *start.brokering.files()) if start.brokering else copies,
-    )
-    staged = _stage(options, start, roots, warnings)
-    plan = _run_as(plan, options)
-    if staged.stage is not None and plan.world is not None:
-        # The gate holds host-trusted names back at the run's end: the command may write them
-        # in its layer (git config, a hook), and what it wrote is named, not applied. Read-only
-        # roots nested in writable ones stay read-only binds.
-        kept = tuple(p for p in plan.world.read_only if p not in set(trusted))
-        world = plan.world._replace(read_only=kept)
-        plan = plan._replace(staged=staged.stage.layer.spec(staged.direct), world=world)
+    supervised = Mechanism.NETWORK_NAMESPACE not in chosen and not face.connects_off(chosen)
     host_capture: socket.socket | None = None
+    staged = _Staged(None, DIRECT, "")
     try:
-        if Mechanism.SECCOMP in chosen:
-            plan = plan._replace(seccomp_program=_compiled_seccomp(allow_udp=plan.capture))
+        staged = _stage(options, start, roots, warnings)
+        plan = _launch_plan(
+            options,
+            chosen,
+            facts=facts,
+            profile=profile,
+            executable=executable,
+            env=start.brokering.child_env(env) if start.brokering else env,
+            templates=templates,
+            fs=fs,
+            roots=roots,
+            scratch=scratch,
+            listeners=listeners,
+            capture_off=capture_off,
+            copies=(*copies, *start.brokering.files()) if start.brokering else copies,
+            staged=staged,
+            trusted=trusted,
+            supervised=supervised,
+        )
         if supervised:
-            plan = _supervised(plan, roots.sockets)
+            plan = _unix_grants(plan, roots.sockets)
         if supervised and not capture_off:
             host_capture = face.bind_host_capture()
         return _finish(
@@ -391,24 +373,8 @@ def _brokering(options: RunOptions, mounts: bool, warnings: list[str]) -> RunBro
 # -- the connect supervisor (no network namespace; confine/notify.py, runner/notify.py) ----
 
 
-def _connects_off(chosen: frozenset[Mechanism]) -> str:
-    """Why this run's connects cannot be supervised without a namespace ("" when they can)."""
-    from egressbox.confine import notify
-
-    if Mechanism.SECCOMP not in chosen:
-        return "the profile applies no seccomp filter"
-    return notify.support()
-
-
-def _supervised(plan: LaunchPlan, socket_roots: Sequence[str]) -> LaunchPlan:
-    from egressbox.confine import notify
-
-    # No UDP for the command without a namespace: the main filter's plain variant, and the
-    # connect filter refuses non-stream inet sockets itself.
-    program = plan.seccomp_program
-    if plan.capture and program:
-        program = _compiled_seccomp(allow_udp=False)
-    plan = plan._replace(connect_filter=notify.program(), seccomp_program=program, capture=False)
+def _unix_grants(plan: LaunchPlan, socket_roots: Sequence[str]) -> LaunchPlan:
+    """Where the supervisor may connect a unix socket path for the command."""
     if plan.world is not None or not plan.has(Mechanism.LANDLOCK_FS):
         return plan  # a constructed view holds only grants; no filesystem rules: every path
     # The host's view: Landlock does not cover connect(2) to a pathname socket, so the
@@ -416,7 +382,7 @@ def _supervised(plan: LaunchPlan, socket_roots: Sequence[str]) -> LaunchPlan:
     # socket roots), and not to a host socket already live under a write root.
     sockets = tuple(os.path.realpath(p) for p in socket_roots)
     write = tuple(os.path.realpath(p) for p in plan.write)
-    hidden = live_sockets(write, sockets)
+    hidden = face.live_sockets(write, sockets)
     return plan._replace(unix_roots=(*write, *sockets), unix_hidden=hidden)
 
 
@@ -505,11 +471,10 @@ def _stage(options: RunOptions, start: _Start, roots: _Roots, warnings: list[str
         return _Staged(None, STAGED, "nothing writable to stage")
     direct: tuple[str, ...] = ()
     if start.scratch is not None and not layout.read_only:
-        made = make_scratch(layout.workspaces[0])  # on the host, never through a link
+        # on the host, never through a link
+        made = face.make_scratch(layout.workspaces[0], SCRATCH_DIR, _owner(options))
         if made is not None:
             direct = (os.path.dirname(made.tmp),)
-            if (account := _account(options)) is not None:
-                _give_scratch(made, account)
     own = [*options.trusted_files, _cache_dir(), *direct]
     own += [r for f in options.trusted_files for r in _rotated_siblings(os.path.realpath(f))]
     lifted = [os.path.realpath(expand_user(p, home)) for p in options.writable_trusted]
@@ -557,63 +522,25 @@ def _mechanisms(
     mode = _sandbox_mode(base, warnings)
     files_off = profile is Profile.UNRESTRICTED or (profile is Profile.WORKTREE and mode == "off")
     # EGRESSBOX_SANDBOX=off: worktree applies what unrestricted does (the network boundary).
-    chosen, refusals = choose_mechanisms(Profile.UNRESTRICTED if files_off else profile, facts)
-    extra, gaps = ([], []) if files_off else _sandbox_fallback(profile, chosen, facts, mode)
-    if refusals or extra:
-        raise RunRefusedError(refusals + extra)
-    warnings += gaps
+    choice = face.choose(profile, facts, files_off=files_off, enforce=mode == "enforce")
+    if choice.refusals:
+        raise RunRefusedError(choice.refusals)
+    chosen = choice.chosen
+    if choice.gaps:
+        names = ", ".join(m.value for m in choice.gaps)
+        warnings.append(
+            f"profile worktree runs without {names} (unavailable here; "
+            f"{ENV_SANDBOX}=enforce refuses instead)"
+        )
     if files_off:
         warnings.append(_files_off_line(profile, mode))
     _refuse_open_network(chosen, options)
     warnings += _refuse_unconfinable(options, chosen)
-    if Mechanism.NETWORK_NAMESPACE in wanted(profile) - chosen:
-        warnings += _namespace_blocker_line()
+    if Mechanism.NETWORK_NAMESPACE in choice.lacking and (blocker := face.namespace_blocker()):
+        warnings.append(blocker)
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
     return profile, chosen, warnings
-
-
-# Without a mount namespace the child sees the host's /dev, and Landlock is the only wall: the
-# grant of /dev (the constructed view's minimal one) becomes these nodes alone (read, write and,
-# from ABI 5, ioctl); every other host device (disks, /dev/kmsg, other users' terminals,
-# /dev/shm) cannot be opened. A command's own terminal is an inherited descriptor.
-HOST_DEVICE_NODES = (
-    "/dev/null",
-    "/dev/zero",
-    "/dev/full",
-    "/dev/random",
-    "/dev/urandom",
-    "/dev/tty",
-)
-
-
-def _host_view(
-    fs: FsPlan, chosen: frozenset[Mechanism], trusted: Sequence[str], scratch: Sequence[str]
-) -> FsPlan:
-    """Without a mount namespace the grants are the host's paths, and Landlock alone holds them.
-
-    - /dev narrows to the nodes every program uses (host_devices);
-    - /tmp and /var/tmp are the host's, shared with every other process and user: not granted
-      (a private one needs a mount namespace); TMPDIR points into the scratch space, which is
-      (`scratch`: a read-only workspace's, made outside it for this run);
-    - host-trusted names inside a writable root are not split out of its grant: Landlock is
-      allow-only, so keeping `.git/config` read-only would take the right to create anything
-      in the workspace's top directory and in `.git` (every new file, `git`'s lock files).
-      The guard checks them after the run and puts them back (runner/verify.py), as in direct
-      mode; read roots nested in writable ones stay split (the user asked for them).
-    """
-    if Mechanism.MOUNT_NAMESPACE in chosen:
-        return fs
-    write = tuple(p for p in host_devices(fs.write) if p not in USER_TEMP)
-    protected = set(trusted)
-    nested = tuple(p for p in fs.read_only_inside_write if p not in protected)
-    return fs._replace(write=(*write, *scratch), read_only_inside_write=nested)
-
-
-def host_devices(write: Sequence[str]) -> tuple[str, ...]:
-    """The write grants with /dev narrowed to the device nodes every program may use."""
-    kept = tuple(path for path in write if path != "/dev")
-    return (*kept, *HOST_DEVICE_NODES) if len(kept) < len(write) else kept
 
 
 def _account(options: RunOptions) -> Account | None:
@@ -621,29 +548,9 @@ def _account(options: RunOptions) -> Account | None:
     return lookup_account(options.user) if options.user else None
 
 
-def _run_as(plan: LaunchPlan, options: RunOptions) -> LaunchPlan:
-    account = _account(options)
-    return plan if account is None else plan._replace(run_as=account.ids)
-
-
 def _owner(options: RunOptions) -> tuple[int, int] | None:
     account = _account(options)
     return (account.uid, account.gid) if account is not None else None
-
-
-def _give_scratch(scratch: Scratch, account: Account) -> None:
-    """--user: the scratch space made on the host (TMPDIR, caches) is NAME's."""
-    paths = (os.path.dirname(scratch.tmp), scratch.tmp, scratch.cache)
-    give_directories(paths, (account.uid, account.gid))
-
-
-def _namespace_blocker_line() -> list[str]:
-    """One line for a run that falls back without namespaces: what blocks them and the fix
-    (a test unshare in a child and a few /proc reads: only on this path)."""
-    from egressbox.confine.probe import namespace_blocker
-
-    found = namespace_blocker()
-    return [found.line()] if found is not None else []
 
 
 # Said once per run whose command's files are unconfined: what is dropped, and what stays.
@@ -813,18 +720,26 @@ def _launch_plan(
     listeners: Sequence[socket.socket],
     capture_off: str,
     copies: tuple[tuple[str, str], ...] = (),
+    staged: _Staged | None = None,
+    trusted: tuple[str, ...] = (),
+    supervised: bool = False,
 ) -> LaunchPlan:
     """The run's request to confinement, with what it reads of the host, then its plan."""
     mounts = Mechanism.MOUNT_NAMESPACE in chosen
     socket_roots = roots.sockets
     workspaces, process_write = roots.layout.writable, roots.process_write
     readable, writable = face.granted_paths(fs, workspaces, process_write, socket_roots)
-    hidden = live_sockets((*readable, *writable), socket_roots) if mounts else ()
+    hidden = face.live_sockets((*readable, *writable), socket_roots) if mounts else ()
     # One memory figure for the run: a cgroup where the host delegates one; the private file
-    # systems' sizes fit in it either way (confine/plan.py tmpfs_sizes).
+    # systems' sizes fit in it either way (confine/grants.py tmpfs_sizes).
     budget = options.max_memory or _half_the_memory()
-    tmp, shm = tmpfs_sizes(budget)
-    group, group_off = _cgroup(budget, options.max_processes)
+    group, group_off = face.probe_cgroup(budget, options.max_processes)
+    capture = not capture_off
+    # Supervised, UDP is refused (no namespace): the main filter's plain variant.
+    program = b""
+    if Mechanism.SECCOMP in chosen:
+        program = _compiled_seccomp(allow_udp=capture and not supervised)
+    stage = staged.stage if staged is not None else None
     request = face.Request(
         argv=options.argv,
         executable=executable.path,
@@ -846,39 +761,21 @@ def _launch_plan(
         rlimit_as=options.rlimit_as,
         max_processes=options.max_processes,
         memory=budget,
-        tmp_size=tmp,
-        shm_size=shm,
         cgroup=group,
         cgroup_off=group_off,
         host_ports=tuple(s.getsockname()[1] for s in listeners),
         uid=os.getuid(),
         gid=os.getgid(),
         parent_pid=os.getpid(),
-        capture=not capture_off,
+        capture=capture,
         copies=copies,
+        staged=stage.layer.spec(staged.direct) if stage is not None and staged else None,
+        trusted=trusted,
+        seccomp_program=program,
+        connect_filter=face.connect_filter() if supervised else b"",
+        run_as=account.ids if (account := _account(options)) is not None else None,
     )
     return face.plan(request, facts)
-
-
-def live_sockets(granted: Sequence[str], socket_roots: Sequence[str]) -> tuple[str, ...]:
-    """The host's bound unix sockets under a grant but not under a socket root, as real paths
-    (what the world covers); /proc/net/unix lists the sockets of this network namespace."""
-    try:
-        with open(PROC_NET_UNIX, encoding="utf-8", errors="surrogateescape") as f:
-            table = f.read()
-    except OSError:
-        return ()
-    found = [os.path.realpath(p) for p in bound_socket_paths(table)]
-    live = [p for p in dict.fromkeys(found) if _is_socket(p)]
-    grants = {os.path.realpath(p) for p in granted}
-    return sockets_to_hide(live, grants, [os.path.realpath(p) for p in socket_roots])
-
-
-def _is_socket(path: str) -> bool:
-    try:
-        return stat.S_ISSOCK(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _refuse_unconfinable(options: RunOptions, chosen: frozenset[Mechanism]) -> list[str]:
@@ -904,21 +801,22 @@ def _refuse_unconfinable(options: RunOptions, chosen: frozenset[Mechanism]) -> l
     return []
 
 
-def _scratch(layout: Layout, mounts: bool) -> tuple[Scratch | None, list[str]]:
-    """The scratch space: in the first writable workspace, or outside a read-only one."""
+def _scratch(
+    layout: Layout, mounts: bool, owner: tuple[int, int] | None
+) -> tuple[Scratch | None, list[str]]:
+    """The scratch space: in the first writable workspace, or outside a read-only one (made
+    on the host, `owner`'s under --user, when there is no mount namespace to make it in)."""
     if not layout.read_only:
         root = layout.workspaces[0]
-        return (scratch_paths(root) if mounts else make_scratch(root)), []
+        if mounts:
+            return face.scratch_paths(root, SCRATCH_DIR), []
+        return face.make_scratch(root, SCRATCH_DIR, owner), []
     if mounts:
         base = READ_ONLY_SCRATCH
         return Scratch(os.path.join(base, "tmp"), os.path.join(base, "cache")), []
     # No mount namespace: a private directory of the host's, for this run only.
-    import tempfile
-
-    made = tempfile.mkdtemp(prefix="egressbox-scratch-")
-    for name in ("tmp", "cache"):
-        os.mkdir(os.path.join(made, name), 0o700)
-    return Scratch(os.path.join(made, "tmp"), os.path.join(made, "cache")), [made]
+    made = face.private_scratch(owner)
+    return made, [os.path.dirname(made.tmp)]
 
 
 def _toolchain_env(
@@ -989,10 +887,10 @@ def _check_cwd(
     hidden: tuple[str, ...] = ()
     if files:
         # Presets count too, except what the world makes fresh (its /tmp is not the host's).
-        presets = [expand_user(p, home) for name in options.presets for p in PRESETS.get(name, ())]
+        presets = face.preset_paths(options.presets, home)
         granted += tuple(p for p in (*presets, *executables) if p not in CONSTRUCTED_PATHS)
         if not any(is_under(cwd, r) for r in roots):
-            deny = (*(expand_user(p, home) for p in CREDENTIALS), *expand(options.deny, home))
+            deny = (*face.credential_paths(home), *expand(options.deny, home))
             hidden = (*deny, *CONSTRUCTED_PATHS)
         refuse_private_roots(roots, cwd)
     refuse_cwd_outside(cwd, granted, hidden, layout.project)
@@ -1064,7 +962,7 @@ def _capture_off(options: RunOptions, chosen: frozenset[Mechanism], facts: HostF
     if not options.capture:
         return "turned off (--no-capture)"
     if Mechanism.NETWORK_NAMESPACE not in chosen:
-        why = _connects_off(chosen)
+        why = face.connects_off(chosen)
         if why:
             return f"needs a network namespace or the connect supervisor ({why})"
         return ""
@@ -1072,14 +970,6 @@ def _capture_off(options: RunOptions, chosen: frozenset[Mechanism], facts: HostF
         status = facts.status.get(CAPTURE_HOST_FACT, "absent_on_host")
         return f"unavailable on this host ({status}; egressbox doctor says why)"
     return ""
-
-
-def _cgroup(budget: int | None, max_processes: int | None) -> tuple[CgroupPlan | None, str]:
-    if budget is None:
-        return None, "the host's memory size is unknown"
-    from egressbox.confine import cgroup
-
-    return cgroup.probe(budget, max_processes, f"{cgroup.PREFIX}{os.getpid()}")
 
 
 def _half_the_memory() -> int | None:
@@ -1193,7 +1083,7 @@ def _refuse_own_state(
     from egressbox.confine.cache import STATE_ENV
 
     # With a mount namespace /tmp and /var/tmp are the child's own, not the host's.
-    private = USER_TEMP if Mechanism.MOUNT_NAMESPACE in chosen else ()
+    private = face.private_paths(Mechanism.MOUNT_NAMESPACE in chosen)
     roots = [(w, os.path.realpath(w)) for w in writable if w not in private]
     state = os.path.realpath(_cache_dir())
     for root, real in roots:
@@ -1274,141 +1164,6 @@ def _outside(paths: Sequence[str], roots: Sequence[str]) -> tuple[str, ...]:
     return tuple(p for p in paths if not any(is_under(p, r) for r in roots))
 
 
-def _clean_copies(  # noqa: PLR0917 (the plan's parts in, its warnings and notes out)
-    fs: FsPlan,
-    home: str,
-    passed: Sequence[str],
-    mounts: bool,
-    warnings: list[str],
-    notes: list[str],
-) -> tuple[FsPlan, tuple[tuple[str, str], ...]]:
-    """The tools' configuration files in view, as clean copies (confine/clean.py).
-
-    Each copy is bound over its original's path (the launcher refuses to start the command
-    when one cannot be); an original with no copy joins the deny list (masked in the world).
-    Without a mount namespace nothing can be bound: the originals are left out of Landlock's
-    rules, so the files are not granted at all, and said so.
-    """
-    from egressbox.confine import clean
-
-    presets = (*(expand_user(p, home) for p in PACKAGE_MANAGER_CONFIG), *clean.SYSTEM_TOOL_CONFIG)
-    in_view = (*fs.read, *fs.write)
-    entries = [p for p in presets if any(is_under(p, r) for r in in_view) and os.path.lexists(p)]
-    if not entries:
-        return fs, ()
-    copies = clean.gather(entries, home=home, deny=fs.deny, passed=passed)
-    warnings += copies.notes
-    copied = {p for p, _ in copies.files} if mounts else set()
-    fs = fs._replace(
-        deny=(*fs.deny, *(p for p in copies.originals if p not in copied)),
-        # An included file may lie outside every grant: its copy must be readable too.
-        read=(*fs.read, *(p for p in copied if not any(is_under(p, r) for r in in_view))),
-    )
-    if not mounts:
-        names = ", ".join(p for p, _ in copies.files)
-        if names:
-            warnings.append(
-                f"not granted (a clean copy needs a mount namespace, which this run does not "
-                f"have): {names}; --grant-file PATH passes one as it is"
-            )
-        return fs, ()
-    # What a copy left out is said like a widened root: before the command, not under --quiet
-    # (a credential helper in /etc/gitconfig is common and needs no action).
-    notes += [f"granted as a clean copy: {what}" for what in copies.cleaned]
-    return fs, copies.files
-
-
-def _credential_paths(home: str, child_home: str | None) -> tuple[str, ...]:
-    """The credential list under the caller's home and, when --grant moves it, the child's.
-
-    Tools in the child look for keys under the child's $HOME: a granted
-    HOME=/home/alice must not make /home/alice/.ssh readable.
-    """
-    paths = tuple(expand_user(p, home) for p in CREDENTIALS)
-    if child_home and os.path.isabs(child_home) and os.path.normpath(child_home) != home:
-        paths += tuple(expand_user(p, os.path.normpath(child_home)) for p in CREDENTIALS)
-    return paths
-
-
-def _sandbox_fallback(
-    profile: Profile,
-    chosen: frozenset[Mechanism],
-    facts: HostFacts,
-    mode: str,
-) -> tuple[list[Refusal], list[str]]:
-    """worktree is best effort; EGRESSBOX_SANDBOX=warn|enforce picks what a gap means (off
-    drops the filesystem rules before this is asked)."""
-    missing = sorted(wanted(profile) - chosen)
-    if profile is not Profile.WORKTREE or not missing:
-        return [], []
-    if mode == "enforce":
-        return [
-            Refusal(
-                m,
-                facts.status.get(HOST_NEEDS[m], "absent_on_host"),
-                profile,
-                ADMIT_HINT[m],
-                requirement=REQUIREMENT_FALLBACK,
-                selector_honored=True,
-            )
-            for m in missing
-        ], []
-    names = ", ".join(m.value for m in missing)
-    return [], [
-        (
-            f"profile worktree runs without {names} (unavailable here; "
-            f"{ENV_SANDBOX}=enforce refuses instead)"
-        )
-    ]
-
-
-def scratch_paths(root: str) -> Scratch:
-    """The scratch space inside the first writable root (made inside the child's view)."""
-    base = os.path.join(root, SCRATCH_DIR)
-    return Scratch(os.path.join(base, "tmp"), os.path.join(base, "cache"))
-
-
-def make_scratch(root: str) -> Scratch | None:
-    """Without a mount namespace: the scratch space made on the host, never through a link.
-
-    An earlier child could have left `.egressbox` (or `tmp` in it) as a symlink to any
-    directory of the invoker's: every step opens the next name with O_NOFOLLOW.
-    """
-    try:
-        top = os.open(root, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        base = _subdir(top, SCRATCH_DIR)
-        try:
-            for name in ("tmp", "cache"):
-                os.close(_subdir(base, name))
-            _write_ignore(base)
-        finally:
-            os.close(base)
-    except OSError:
-        return None
-    finally:
-        os.close(top)
-    return scratch_paths(root)
-
-
-def _subdir(parent: int, name: str) -> int:
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o755, dir_fd=parent)
-    return os.open(name, os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
-
-
-def _write_ignore(base: int) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(".gitignore", flags, 0o644, dir_fd=base)
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write("# egressbox scratch space (temp files and caches)\n*\n")
-
-
 def enforcement_report(
     profile: Profile, chosen: frozenset[Mechanism], *, capture_off: str = ""
 ) -> tuple[list[MechanismReport], Enforcement]:
@@ -1445,7 +1200,7 @@ CAPTURE_UNSERVED = (
 
 
 def _planned_connects(chosen: frozenset[Mechanism]) -> dict[str, str]:
-    why = _connects_off(chosen)
+    why = face.connects_off(chosen)
     return {"status": "none", "reason": why} if why else {"status": "full"}
 
 
@@ -1534,7 +1289,7 @@ def applied_report(
     applied_set = frozenset(m for m, (state, _) in held.items() if state is Enforcement.FULL)
     connects = (applied or {}).get("connect_supervisor") or {}
     if not connects and Mechanism.NETWORK_NAMESPACE not in applied_set:
-        connects = {"status": "none", "reason": _connects_off(chosen) or "not applied"}
+        connects = {"status": "none", "reason": face.connects_off(chosen) or "not applied"}
     row = _network_row(applied_set, connects)
     network = row.enforcement
     rows.append(row)
@@ -1552,7 +1307,7 @@ def applied_report(
 FILESYSTEM_ROW = "filesystem"
 _LANDLOCK_ONLY = (
     "Landlock is the only wall: the host's view, limited to the granted roots; of /dev only "
-    + ", ".join(HOST_DEVICE_NODES)
+    + ", ".join(face.HOST_DEVICE_NODES)
     + " (no other device opens, so no other device ioctl); metadata changes (chmod, chown, "
     "utimes) under readable roots are not stopped (Landlock has no right for them up to ABI 7); "
     "the workspace is written directly; the host's /tmp and /var/tmp are not granted (shared "

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from egressbox.confine.plan import PROBED_MECHANISMS, HostFacts
+from egressbox.confine.grants import PROBED_MECHANISMS, HostFacts
 
 if TYPE_CHECKING:
     from egressbox.confine.probe import HostSupport, Mechanism
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # Every mechanism confine/probe.py probes (read here without loading the probe).
 MECHANISMS = PROBED_MECHANISMS
 LANDLOCK = "landlock"
-# The highest Landlock ABI a planned mechanism needs (confine/plan.py _MIN_ABI: the scopes of
+# The highest Landlock ABI a planned mechanism needs (confine/grants.py _MIN_ABI: the scopes of
 # ABI 6); a cached ABI below it is asked again.
 PLANNED_ABI = 6
 # The libraries the probe loads (confine/seccomp.py _SONAMES, confine/capture.py LIBRARY):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from egressbox.confine import staging
-from egressbox.confine.plan import Enforcement, is_under
+from egressbox.confine.grants import Enforcement, is_under
 from egressbox.runner import layers
 from egressbox.runner.options import MechanismReport, RunResult
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from egressbox.confine import cache, staging
-from egressbox.confine.plan import is_under
+from egressbox.confine.grants import is_under
 from egressbox.core.errors import EgressboxError
 
 LAYERS = "layers"

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from egressbox.confine.env import (
     EnvPolicy,
 )
-from egressbox.confine.plan import (
+from egressbox.confine.grants import (
     DEFAULT_PRESETS,
     DEFAULT_PROFILE,
     Enforcement,
@@ -69,7 +69,7 @@ class RunRefusedError(EgressboxError):
     """`run` refused to start the command: `cause` says why (core/exitcodes.py CAUSE_CODES),
     `code` is its exit code (126 when confinement the profile requires is unavailable).
 
-    `refusals` are the mechanism refusals with Harn's fields (confine/plan.py Refusal);
+    `refusals` are the mechanism refusals with Harn's fields (confine/grants.py Refusal);
     `messages` the lines to say: each refusal's facts, then its remedy.
     """
 

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from egressbox.confine import face, netns
-from egressbox.confine.plan import (
+from egressbox.confine.grants import (
     Enforcement,
     Mechanism,
 )

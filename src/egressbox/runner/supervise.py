@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from egressbox.confine.launcher import LaunchPlan
-from egressbox.confine.plan import (
+from egressbox.confine.grants import (
     Mechanism,
 )
+from egressbox.confine.launcher import LaunchPlan
 from egressbox.core.exitcodes import EXIT_TAMPERED, EXIT_TIMEOUT
 from egressbox.runner.assemble import Prepared
 from egressbox.runner.gate import finish

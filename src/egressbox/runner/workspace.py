@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from egressbox.confine.plan import expand_user, is_under
+from egressbox.confine.grants import expand_user, is_under
 from egressbox.confine.toolchains import MISSING
 from egressbox.runner.options import RunRefusedError
 from egressbox.runner.project import GitGrants, ProjectRoot, find_project_root, git_grants

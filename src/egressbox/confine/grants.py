@@ -455,6 +455,8 @@ def expand_user(path: str, home: str) -> str:
 
 
 def is_under(path: str, root: str) -> bool:
+    """`path` is `root` or below it, by name (both normalised, neither resolved): the one
+    prefix test of confinement and the runner (a root "/a" holds "/a/b", never "/ab")."""
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egressbox.confine.plan import expand_excluding, is_under
+from egressbox.confine.grants import expand_excluding, is_under
 
 
 def test_a_root_without_denied_paths_stays_whole(tmp_path: Path) -> None:
