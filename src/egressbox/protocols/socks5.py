@@ -36,7 +36,8 @@ from enum import Enum, IntEnum, auto
 from typing import Final
 
 from egressbox.core.errors import EgressboxError, Reason
-from egressbox.core.hosts import IPAddress, canonical_ip_text
+from egressbox.core.hosts import canonical_ip_text
+from egressbox.core.ip import IPAddress
 
 # Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _BAD_HOST: Final = Reason.BAD_HOST

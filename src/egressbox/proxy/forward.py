@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Final, cast
 
 from egressbox.core.decide import Decision
 from egressbox.core.errors import AuditError
-from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.hosts import format_authority
+from egressbox.core.ip import IPAddress
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.dial import DialError, Dialing, start_connect
 from egressbox.protocols import http1

@@ -20,13 +20,13 @@ from egressbox.audit.record import AuditProtocol, AuditRecord
 from egressbox.core.decide import Decision
 from egressbox.core.errors import AuditError, Reason, Verdict
 from egressbox.core.hosts import INVALID_HOST_TEXT
+from egressbox.core.ip import IPNetwork
 from egressbox.core.local import LOOPBACK_ADDRESSES, LOOPBACK_NAME
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.dial import DialError
 from egressbox.net.original import Destinations
 from egressbox.protocols import http1, socks5
 from egressbox.protocols.proxy_header import (
-    IPNetwork,
     ProxyHeader,
     ProxyHeaderError,
     ProxyHeaderReader,

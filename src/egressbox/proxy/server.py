@@ -31,7 +31,8 @@ from egressbox.audit.record import (
 )
 from egressbox.core.decide import Decision, SelfEndpoints
 from egressbox.core.errors import AuditError, Reason, Verdict
-from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.hosts import format_authority
+from egressbox.core.ip import IPAddress
 from egressbox.core.limits import Limits
 from egressbox.core.policy import Policy
 from egressbox.core.synthetic import SyntheticNames
