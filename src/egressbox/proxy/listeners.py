@@ -34,7 +34,15 @@ from egressbox.protocols.proxy_header import (
     unmapped,
 )
 from egressbox.proxy.gate import ProxyState, stderr_log
-from egressbox.proxy.replies import dial_http_status, dial_socks_code, http_status, socks_code
+from egressbox.proxy.replies import (
+    LINGER_BYTES,
+    LINGER_SECONDS,
+    dial_http_status,
+    dial_socks_code,
+    http_status,
+    send_final,
+    socks_code,
+)
 from egressbox.proxy.tunnel import Connection
 
 # Enum members bound once (docs/development.md, "The compiled core's speed rules").
@@ -43,12 +51,6 @@ _DENY: Final = Verdict.DENY
 _HTTP: Final = AuditProtocol.HTTP
 _SOCKS5: Final = AuditProtocol.SOCKS5
 _TCP: Final = AuditProtocol.TCP
-
-# After a refusal, read and drop what the client still sends for this long
-# before closing, so that closing with unread data does not reset the
-# connection under the reply (nginx's lingering_close does the same).
-LINGER_SECONDS: Final = 2.0
-LINGER_BYTES: Final = 256 * 1024
 
 
 class _Lingering(Connection):
@@ -63,16 +65,10 @@ class _Lingering(Connection):
         if transport is None or transport.is_closing():
             return
         self.cancel_timer()
-        transport.write(data)
         self.discarding = 0
-        if transport.can_write_eof():
-            try:
-                transport.write_eof()
-            except OSError:
-                # The client is already gone: over loopback its reset can
-                # arrive within the write above (ENOTCONN). Nothing to say.
-                transport.abort()
-                return
+        if not send_final(transport, data):  # the client is already gone: nothing to say
+            transport.abort()
+            return
         transport.resume_reading()
         self.timer = wheel(self.state.event_loop()).call_later(LINGER_SECONDS, self.close)
 
