@@ -307,3 +307,60 @@ def test_the_pure_set_is_named_by_package_and_stands_on_pure_floors() -> None:
     assert set(PURE_PACKAGES) == pure
     # A pure floor may import only pure floors: else its purity would depend on luck.
     assert sorted(p for p in pure if not FLOORS[p] <= pure) == []
+
+
+# Module-level mutable state of the compiled (per-connection) modules: what each connection
+# owns lives on the connection; these are process-wide by nature, each with why.
+PROCESS_WIDE = {
+    "egressbox.audit.record._host_json": "a host's JSON text, for the names met over and over",
+    "egressbox.audit.record._last_second": "the clock's current second as text, one per process",
+    "egressbox.audit.record._line_tails": "an audit line's tail for the same few destinations",
+    "egressbox.net.deadlines._WHEELS": "one timer wheel per event loop",
+    "egressbox.net.dial._IP_TEXTS": "an address's text, for the few addresses dialled again",
+    "egressbox.net.relay._default_pool": "the pipes splice() borrows, one pool per process",
+    "egressbox.protocols.http1._LAST_INDEX": "the field index of the last head looked at",
+    "egressbox.protocols.socks5._BIND_TEXTS": "the packed form of the server's own addresses",
+    "egressbox.proxy.check._memo": "decisions keyed by policy, endpoints and DNS entry",
+}
+_MUTATORS = frozenset(
+    {"append", "add", "update", "pop", "clear", "setdefault", "remove", "discard", "extend"}
+)
+
+
+def _mutated_globals(path: Path) -> set[str]:
+    """The top-level names of a module that its code mutates in place (item assignment,
+    deletion, a mutating method) or rebinds through `global`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = set()
+    for statement in tree.body:
+        targets = statement.targets if isinstance(statement, ast.Assign) else []
+        if isinstance(statement, ast.AnnAssign):
+            targets = [statement.target]
+        top |= {t.id for t in targets if isinstance(t, ast.Name)}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found |= set(node.names)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and node.func.attr in _MUTATORS:
+                found.add(owner.id)
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+            targets = [node.target] if isinstance(node, ast.AugAssign) else node.targets
+            found |= {
+                t.value.id
+                for t in targets
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+            }
+    return found & top
+
+
+def test_the_compiled_modules_keep_no_per_connection_state_at_module_level() -> None:
+    modules = _modules()
+    found = {
+        f"{name}.{binding}"
+        for name in _declared_compiled()
+        for binding in _mutated_globals(modules[name])
+    }
+    assert sorted(found - set(PROCESS_WIDE)) == []
+    assert sorted(set(PROCESS_WIDE) - found) == [], "PROCESS_WIDE names state that is gone"

@@ -455,5 +455,5 @@ def _packed(address: IPAddress) -> bytes:
 # The packed form of each bind address text seen: a server's sockets have few local
 # addresses, and ipaddress's parser is interpreted (~17,000 instructions, every tunnel's
 # reply). Bounded: past it, texts are parsed each time.
-_BIND_TEXTS_SIZE = 256
-_BIND_TEXTS: dict[str, bytes] = {}
+_BIND_TEXTS_SIZE: Final = 256
+_BIND_TEXTS: Final[dict[str, bytes]] = {}
