@@ -14,36 +14,47 @@ so on the terminal itself (/dev/tty) when there is one, as well as on stderr.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import sys
 import time
+from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-# The per-connection path: parsers, decisions, dialling, relay, server.
-COMPILED = [
-    "src/egressbox/protocols/http1.py",
-    "src/egressbox/protocols/socks5.py",
-    "src/egressbox/protocols/tls.py",  # the first bytes of every tunnel (the TLS name check)
-    "src/egressbox/core/hosts.py",
-    "src/egressbox/core/addresses.py",
-    "src/egressbox/audit/record.py",  # one record per decision, before the reply
-    "src/egressbox/core/rules.py",
-    "src/egressbox/core/decide.py",
-    "src/egressbox/proxy/check.py",
-    "src/egressbox/net/deadlines.py",  # every connection arms three or four timeouts
-    "src/egressbox/net/eventloop.py",  # two transports a tunnel enter its table
-    "src/egressbox/net/dial.py",
-    "src/egressbox/net/relay.py",
-    "src/egressbox/proxy/tls_check.py",  # every tunnel's first bytes
-    "src/egressbox/proxy/gate.py",
-    "src/egressbox/proxy/tunnel.py",
-    "src/egressbox/proxy/listeners.py",
-    "src/egressbox/proxy/forward.py",
-    "src/egressbox/proxy/server.py",
-]
+# The per-connection path (parsers, decisions, dialling, relay, server), named by each
+# package of src/egressbox in its __init__.py: `COMPILED = ("http1", ...)`. Read from the
+# source, because the package cannot be imported while it is being built.
+PACKAGES = Path(__file__).resolve().parent / "src" / "egressbox"
+
+
+def declared(init: Path, name: str) -> object:
+    """The literal value of a module-level `name = ...` in `init`, or None."""
+    for node in ast.parse(init.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == name:
+            return ast.literal_eval(value)
+    return None
+
+
+def compiled_modules() -> list[str]:
+    """The paths mypyc compiles: each package's COMPILED modules, package by package."""
+    found = []
+    for init in sorted(PACKAGES.glob("*/__init__.py")):
+        names = declared(init, "COMPILED") or ()
+        assert isinstance(names, tuple), f"{init}: COMPILED is a tuple of module names"
+        found += [f"src/egressbox/{init.parent.name}/{name}.py" for name in names]
+    return found
+
+
+COMPILED = compiled_modules()
 
 
 # Measured on 2 cores (Debian 12, CPython 3.11): mypyc's translation about 40 s, gcc on

@@ -6,7 +6,7 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 
 from egressbox.core.errors import Reason, ResolveError
-from egressbox.core.hosts import IPAddress
+from egressbox.core.ip import IPAddress
 from egressbox.net.resolve import Resolution
 
 

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from dnsserver import AAAA, SILENT, A, DnsServer
 from egressbox.audit.record import AuditRecord
-from egressbox.core.hosts import IPAddress
+from egressbox.core.ip import IPAddress
 from egressbox.core.policy import Policy, parse_policy
 from egressbox.net.dial import (
     DEFAULT_STAGGER,

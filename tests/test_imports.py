@@ -22,17 +22,33 @@ FORBIDDEN_ALIASES = frozenset(
     {"_asyncio", "_socket", "_ssl", "_posixsubprocess", "_thread", "_overlapped"}
 )
 
-# The pure floors, whole: the core and the sans-IO protocol parsers. Plus the refusal
-# classifier of confine, pure by itself and read before the launcher forks.
-PURE_PACKAGES = ("core", "protocols")
-PURE_EXTRA = ("confine.refusal",)
-
 
 def _package_dir() -> Path:
     # find_spec does not execute the package; it finds what `import` would load.
     spec = importlib.util.find_spec("egressbox")
     assert spec is not None and spec.origin is not None
     return Path(spec.origin).parent
+
+
+def _declares_pure(init: Path) -> bool:
+    """Whether a package's __init__.py says `PURE = True` (read, not imported)."""
+    for node in ast.parse(init.read_text(encoding="utf-8")).body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "PURE" for t in node.targets)
+            and isinstance(node.value, ast.Constant)
+        ):
+            return node.value.value is True
+    return False
+
+
+# The pure floors, whole, as their packages declare them (the core and the sans-IO
+# protocol parsers). Plus the refusal classifier of confine, pure by itself and read
+# before the launcher forks.
+PURE_PACKAGES = tuple(
+    sorted(p.parent.name for p in _package_dir().glob("*/__init__.py") if _declares_pure(p))
+)
+PURE_EXTRA = ("confine.refusal",)
 
 
 def _pure_files() -> list[Path]:

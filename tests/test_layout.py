@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,156 @@ def test_the_floor_plan_test_catches_a_wrong_way_import() -> None:
         "egressbox.core.hosts -> egressbox.proxy.gate",
         "egressbox.net.dial -> egressbox.confine.grants",
     ]
+
+
+# The compiled set and the pure set are named by package: each package's __init__.py
+# declares COMPILED (its modules mypyc builds) and, for a pure floor, PURE = True.
+SETUP = TESTS.parent / "setup.py"
+
+
+def _setup_compiled_modules() -> list[str]:
+    """setup.py's own reading of the declarations, run without setup() (which builds)."""
+    wanted = {"declared", "compiled_modules", "PACKAGES"}
+
+    def kept(node: ast.stmt) -> bool:
+        if isinstance(node, ast.ImportFrom):
+            return not (node.module or "").startswith("setuptools")
+        if isinstance(node, ast.FunctionDef):
+            return node.name in wanted
+        if isinstance(node, ast.Assign):
+            return any(isinstance(t, ast.Name) and t.id in wanted for t in node.targets)
+        return isinstance(node, ast.Import)
+
+    tree = ast.parse(SETUP.read_text(encoding="utf-8"))
+    body = [node for node in tree.body if kept(node)]
+    namespace: dict[str, object] = {"__file__": str(SETUP)}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(SETUP), "exec"), namespace)
+    found = namespace["compiled_modules"]
+    assert callable(found)
+    return list(found())
+
+
+def _packages() -> list[str]:
+    return sorted(p.name for p in _package_dir().iterdir() if (p / "__init__.py").exists())
+
+
+def _declared_compiled() -> set[str]:
+    """egressbox.<package>.<module> for every module a package's COMPILED names."""
+    import importlib
+
+    found = set()
+    for package in _packages():
+        names = getattr(importlib.import_module(f"egressbox.{package}"), "COMPILED", ())
+        found |= {f"egressbox.{package}.{name}" for name in names}
+    return found
+
+
+def test_setup_compiles_what_the_packages_declare() -> None:
+    built = {".".join(Path(path).with_suffix("").parts[1:]) for path in _setup_compiled_modules()}
+    assert built == _declared_compiled()
+    assert built, "setup.py found no declaration: the compiled core would be empty"
+
+
+def test_every_compiled_module_exists_below_the_command_line() -> None:
+    modules = _modules()
+    missing = sorted(name for name in _declared_compiled() if name not in modules)
+    assert missing == [], f"COMPILED names modules that do not exist: {missing}"
+    # The per-connection path: the floors the proxy stands on, and the proxy itself.
+    allowed = FLOORS["proxy"] | {"proxy"}
+    assert sorted(n for n in _declared_compiled() if _floor(n) not in allowed) == []
+
+
+def test_the_compiled_modules_are_the_ones_built() -> None:
+    """With the core compiled, exactly the declared modules are extensions."""
+    import egressbox
+
+    if not egressbox.compiled_core() or os.environ.get(egressbox.PURE_ENV) == "1":
+        pytest.skip("the proxy core runs interpreted here")
+    code = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    module = importlib.import_module(name)\n"
+        "    if not (module.__file__ or '').endswith('.py'): print(name)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *sorted(_modules())],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert set(done.stdout.split()) == _declared_compiled()
+
+
+def _declared_pure() -> set[str]:
+    import importlib
+
+    return {
+        p for p in _packages() if getattr(importlib.import_module(f"egressbox.{p}"), "PURE", False)
+    }
+
+
+def test_the_pure_set_is_named_by_package_and_stands_on_pure_floors() -> None:
+    from test_imports import PURE_PACKAGES
+
+    pure = _declared_pure()
+    assert set(PURE_PACKAGES) == pure
+    # A pure floor may import only pure floors: else its purity would depend on luck.
+    assert sorted(p for p in pure if not FLOORS[p] <= pure) == []
+
+
+# Module-level mutable state of the compiled (per-connection) modules: what each connection
+# owns lives on the connection; these are process-wide by nature, each with why.
+PROCESS_WIDE = {
+    "egressbox.audit.record._host_json": "a host's JSON text, for the names met over and over",
+    "egressbox.audit.record._last_second": "the clock's current second as text, one per process",
+    "egressbox.audit.record._line_tails": "an audit line's tail for the same few destinations",
+    "egressbox.net.deadlines._WHEELS": "one timer wheel per event loop",
+    "egressbox.net.dial._IP_TEXTS": "an address's text, for the few addresses dialled again",
+    "egressbox.net.relay._default_pool": "the pipes splice() borrows, one pool per process",
+    "egressbox.protocols.http1._LAST_INDEX": "the field index of the last head looked at",
+    "egressbox.protocols.socks5._BIND_TEXTS": "the packed form of the server's own addresses",
+    "egressbox.proxy.check._memo": "decisions keyed by policy, endpoints and DNS entry",
+}
+_MUTATORS = frozenset(
+    {"append", "add", "update", "pop", "clear", "setdefault", "remove", "discard", "extend"}
+)
+
+
+def _mutated_globals(path: Path) -> set[str]:
+    """The top-level names of a module that its code mutates in place (item assignment,
+    deletion, a mutating method) or rebinds through `global`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = set()
+    for statement in tree.body:
+        targets = statement.targets if isinstance(statement, ast.Assign) else []
+        if isinstance(statement, ast.AnnAssign):
+            targets = [statement.target]
+        top |= {t.id for t in targets if isinstance(t, ast.Name)}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found |= set(node.names)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and node.func.attr in _MUTATORS:
+                found.add(owner.id)
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+            targets = [node.target] if isinstance(node, ast.AugAssign) else node.targets
+            found |= {
+                t.value.id
+                for t in targets
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+            }
+    return found & top
+
+
+def test_the_compiled_modules_keep_no_per_connection_state_at_module_level() -> None:
+    modules = _modules()
+    found = {
+        f"{name}.{binding}"
+        for name in _declared_compiled()
+        for binding in _mutated_globals(modules[name])
+    }
+    assert sorted(found - set(PROCESS_WIDE)) == []
+    assert sorted(set(PROCESS_WIDE) - found) == [], "PROCESS_WIDE names state that is gone"

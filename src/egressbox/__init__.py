@@ -76,6 +76,7 @@ _EXPORTS = {
     "parse_policy": "egressbox.core.policy",
     "DnsResolver": "egressbox.net.resolve",
     "EgressProxy": "egressbox.proxy.server",
+    "ProxyOptions": "egressbox.proxy.options",
     "run": "egressbox.runner.api",
     "run_sync": "egressbox.runner.api",
     "spawn_confined": "egressbox.runner.api",
@@ -97,6 +98,7 @@ __all__ = [
     "Mode",
     "Policy",
     "PolicyError",
+    "ProxyOptions",
     "Reason",
     "RefusalRecord",
     "Resolver",
@@ -121,6 +123,7 @@ if TYPE_CHECKING:
     from egressbox.core.policy import Mode, Policy, load_policy, parse_policy
     from egressbox.net.resolve import DnsResolver, Resolver
     from egressbox.proxy.check import check
+    from egressbox.proxy.options import ProxyOptions
     from egressbox.proxy.server import EgressProxy
     from egressbox.runner.api import ConfinedProcess, run, run_sync, spawn_confined
     from egressbox.runner.options import RunRefusedError, RunResult

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from egressbox.cli import _profiles_table
+from egressbox.cli.doctor import _profiles_table
 
 ALL = [
     "capabilities",

@@ -8,6 +8,7 @@ import pytest
 
 from egressbox import cli
 from egressbox.cli.run import _cli_options
+from egressbox.cli.run_start import no_sandbox
 from egressbox.confine.grants import (
     SYSTEM_RUNTIME,
     Profile,
@@ -32,7 +33,7 @@ PATH_ALIASES = [
 
 def _options(*argv: str, settings: RunSettings | None = None) -> RunOptions:
     args = cli.build_parser("run").parse_args(["run", *argv, "--", "true"])
-    assert cli.no_sandbox(args) == ""
+    assert no_sandbox(args) == ""
     options = _cli_options(args, ["true"], settings)
     assert options is not None
     return options
@@ -40,7 +41,7 @@ def _options(*argv: str, settings: RunSettings | None = None) -> RunOptions:
 
 def _problem(*argv: str) -> str:
     args = cli.build_parser("run").parse_args(["run", *argv, "--", "true"])
-    return cli.no_sandbox(args)
+    return no_sandbox(args)
 
 
 @pytest.mark.parametrize(("harn", "ours"), PATH_ALIASES)

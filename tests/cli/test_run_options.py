@@ -12,6 +12,7 @@ import pytest
 
 from egressbox import cli
 from egressbox.cli.run import _cli_options
+from egressbox.cli.run_start import no_sandbox
 from egressbox.core.policy import parse_policy
 from egressbox.runner.flags import RUN_FLAGS, dest
 from egressbox.runner.options import RunOptions, options_for
@@ -19,7 +20,7 @@ from egressbox.runner.options import RunOptions, options_for
 # Flags of the command line's own, that set no library keyword, and why.
 CLI_ONLY = {
     "--policy": "a file; the library takes a loaded Policy (policy=)",
-    "--no-sandbox": "Harn's spelling of --profile unrestricted (cli.no_sandbox)",
+    "--no-sandbox": "Harn's spelling of --profile unrestricted (cli/run_start.py no_sandbox)",
     "--allow-process-network": "Harn's flag, accepted: the proxy is always the way out",
     "--audit-log": "a file; the library takes an AuditSink (audit=, a keyword of run())",
     "--report-only": "the policy's mode; the library takes a Policy in report mode",
@@ -142,7 +143,7 @@ SAME_MEANING = [
 
 def _cli(*argv: str, settings: Any = None) -> RunOptions:
     args = cli.build_parser("run").parse_args(["run", *argv, "--", "true"])
-    assert cli.no_sandbox(args) == ""
+    assert no_sandbox(args) == ""
     options = _cli_options(args, ["true"], settings)
     assert options is not None
     return options

@@ -33,9 +33,9 @@ from egressbox.core.addresses import (
     unwrap_mapped,
 )
 from egressbox.core.errors import Reason
+from egressbox.core.ip import IPAddress
 from sources import source_of
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 V4 = ipaddress.IPv4Address
 V6 = ipaddress.IPv6Address
 C = Category

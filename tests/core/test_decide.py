@@ -22,7 +22,8 @@ from egressbox.core.decide import (
     parse_target,
 )
 from egressbox.core.errors import HostError, Reason, Verdict
-from egressbox.core.hosts import INVALID_HOST_TEXT, IPAddress, canonical_ip_text
+from egressbox.core.hosts import INVALID_HOST_TEXT, canonical_ip_text
+from egressbox.core.ip import IPAddress
 from egressbox.core.policy import Policy, parse_policy
 
 METADATA = ["169.254.169.254/32", "fd00:ec2::254/128"]

@@ -20,7 +20,6 @@ from egressbox.core.errors import HostError, Reason
 from egressbox.core.hosts import (
     MAX_NAME_LENGTH,
     Host,
-    IPAddress,
     canonical_ip_text,
     check_port,
     format_authority,
@@ -30,6 +29,7 @@ from egressbox.core.hosts import (
     parse_port,
     split_authority,
 )
+from egressbox.core.ip import IPAddress
 
 V4 = ipaddress.IPv4Address
 V6 = ipaddress.IPv6Address

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from egressbox.core.ip import IPAddress
 from egressbox.protocols.proxy_header import (
     MAX_V2_PAYLOAD,
     V1_MAX_LINE,
@@ -26,7 +27,6 @@ from egressbox.protocols.proxy_header import (
     parse_trusted,
 )
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 CLIENT_BYTES = b"CONNECT origin.test:443 HTTP/1.1\r\n\r\n\x00\xff"
 V4A, V4B = ipaddress.ip_address("198.51.100.7"), ipaddress.ip_address("192.0.2.1")
 V6A, V6B = ipaddress.ip_address("2001:db8::7"), ipaddress.ip_address("2001:db8::1")

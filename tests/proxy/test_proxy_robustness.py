@@ -28,7 +28,7 @@ import uvloop
 
 from egressbox.audit.record import AuditRecord
 from egressbox.core.errors import AuditError, Reason
-from egressbox.core.hosts import IPAddress
+from egressbox.core.ip import IPAddress
 from egressbox.core.policy import Policy, parse_policy
 from egressbox.net.resolve import Resolution
 from egressbox.proxy.server import EgressProxy

@@ -47,6 +47,7 @@ from typing import Any, Final, Protocol, Self, TypeVar
 
 from egressbox.audit.sink import AuditSink
 from egressbox.core.errors import AuditError, Reason, Verdict
+from egressbox.core.limits import MAX_PORT
 from egressbox.fs.held import HeldDir, SymlinkOnPathError
 
 __all__ = [
@@ -89,7 +90,6 @@ KEYS: Final = ("ts", "protocol", "host", "port", "decision", "reason")
 
 # DNS names are at most 253 bytes; 255 leaves room for bracketed IPv6 text.
 MAX_HOST_CHARS: Final = 255
-MAX_PORT: Final = 65535
 
 # Rotated files kept by default (audit.jsonl.1 .. audit.jsonl.5), as logrotate's common
 # "rotate 5"; with --audit-max-bytes 100 MiB that bounds the log to about 600 MiB.

@@ -48,9 +48,10 @@ from egressbox.core.addresses import (
 )
 from egressbox.core.errors import Reason, Verdict
 from egressbox.core.hosts import format_authority
+from egressbox.core.ip import IPNetwork
 from egressbox.core.local import Grant, grants_needed, local_category
 from egressbox.core.policy import REPORT_MODE_WARNING, Mode, Policy
-from egressbox.core.rules import IPNetwork, PatternError, Rule, RuleKind, min_prefix, parse_pattern
+from egressbox.core.rules import PatternError, Rule, RuleKind, min_prefix, parse_pattern
 
 __all__ = [
     "METADATA_DENY_CIDRS",

@@ -1,6 +1,6 @@
 """`egressbox audit`: read, filter, summarize and follow audit logs; suggest a policy.
 
-Wired into the main parser by cli.py (``add_parser(sub)``, then ``run(args)``); also
+Wired into the main parser by cli/__init__.py (``add_parser(sub)``, then ``run(args)``); also
 runnable alone as ``python -m egressbox.cli.audit FILE...``.
 
 Which files are read (one rule, applied to each FILE argument in order):

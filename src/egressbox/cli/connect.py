@@ -11,15 +11,20 @@ Stdlib only, blocking, two threads (one per direction): no event loop for a pipe
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
 import sys
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_USAGE
+
+if TYPE_CHECKING:
+    from egressbox.cli.options import Subparsers
 
 PROXY_VARIABLES = (
     "https_proxy",
@@ -173,3 +178,23 @@ def main(host: str, port: int, proxy: str | None, env: Mapping[str, str] | None 
     finally:
         sock.close()
     return EXIT_OK
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "connect",
+        help="relay stdin/stdout to HOST PORT through a running proxy (ssh's ProxyCommand)",
+        description="Open HOST:PORT through a running egressbox proxy (it decides and audits "
+        "it like any request) and relay standard input and output: "
+        "ssh -o ProxyCommand='egressbox connect %%h %%p' HOST. The proxy comes from --proxy or "
+        "from https_proxy/http_proxy/ALL_PROXY.",
+    )
+    p.add_argument("host", metavar="HOST")
+    p.add_argument("port", metavar="PORT", type=int)
+    p.add_argument(
+        "--proxy", metavar="URL", help="http://HOST:PORT (CONNECT) or socks5://HOST:PORT"
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    return main(args.host, args.port, args.proxy)

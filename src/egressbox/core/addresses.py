@@ -26,14 +26,12 @@ from enum import StrEnum
 from typing import Final
 
 from egressbox.core.errors import Reason
+from egressbox.core.ip import IPAddress, IPNetwork
 
 # Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _METADATA_ADDRESS: Final = Reason.METADATA_ADDRESS
 _PRIVATE_ADDRESS: Final = Reason.PRIVATE_ADDRESS
 _SPECIAL_ADDRESS: Final = Reason.SPECIAL_ADDRESS
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class Category(StrEnum):

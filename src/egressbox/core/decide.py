@@ -34,12 +34,12 @@ from egressbox.core.errors import HostError, Reason, Verdict
 from egressbox.core.hosts import (
     INVALID_HOST_TEXT,
     Host,
-    IPAddress,
     canonical_ip_text,
     check_port,
     normalize_host,
     parse_port,
 )
+from egressbox.core.ip import IPAddress
 from egressbox.core.policy import Mode, Policy
 from egressbox.core.rules import Rule, RuleKind
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Final
 
 from egressbox.core.errors import HostError, Reason
+from egressbox.core.ip import IPAddress
 
 # Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _BAD_HOST: Final = Reason.BAD_HOST
 _BAD_PORT: Final = Reason.BAD_PORT
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # RFC 1035 §2.3.4: 255 octets on the wire, i.e. 253 characters of text
 # without the trailing dot; 63 octets per label.

@@ -6,7 +6,11 @@ defaults and the documentation of why each number is what it is.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Final, NamedTuple
+
+# Largest TCP port number (RFC 9293: ports are 16 bits). Final: the compiled
+# modules that read it get the number itself, not a module lookup.
+MAX_PORT: Final = 65535
 
 # SIGINT/SIGTERM: how long open tunnels may finish before they are aborted
 # (DESIGN §4: 5 s, long enough for a request in flight, short enough for CI).

@@ -18,8 +18,8 @@ import ipaddress
 from typing import Final, NamedTuple
 
 from egressbox.core.addresses import Category, lookup
-from egressbox.core.hosts import IPAddress, format_authority
-from egressbox.core.rules import IPNetwork
+from egressbox.core.hosts import format_authority
+from egressbox.core.ip import IPAddress, IPNetwork
 
 LOOPBACK_NAME: Final = "localhost"
 # The addresses `localhost` has in the sandbox's /etc/hosts (confine/grants.py CAPTURE_HOSTS).

@@ -28,8 +28,8 @@ from egressbox.core.secrets import (
 if TYPE_CHECKING:
     # Imported where used: rules, hosts and addresses (the compiled core, ipaddress),
     # which load_run_settings() (read by `egressbox run` before its fork) must not pay for.
-    from egressbox.core.hosts import IPAddress
-    from egressbox.core.rules import CidrIndex, IPNetwork, Rule, RuleSet
+    from egressbox.core.ip import IPAddress, IPNetwork
+    from egressbox.core.rules import CidrIndex, Rule, RuleSet
     from egressbox.core.upstream import UpstreamProxy
 
 N = TypeVar("N", int, float)

@@ -16,15 +16,8 @@ from enum import StrEnum
 from typing import Generic, TypeVar
 
 from egressbox.core.errors import HostError
-from egressbox.core.hosts import (
-    IPAddress,
-    canonical_ip_text,
-    format_authority,
-    normalize_host,
-    parse_port,
-)
-
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+from egressbox.core.hosts import canonical_ip_text, format_authority, normalize_host, parse_port
+from egressbox.core.ip import IPAddress, IPNetwork
 
 # "Too broad" (DESIGN §3): CIDRs shorter than these admit a large part of
 # the Internet at once and need the explicit long form.

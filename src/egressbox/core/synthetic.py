@@ -13,6 +13,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from egressbox.core.ip import IPAddress
+
 V4_NETWORK = ipaddress.IPv4Network("198.18.0.0/15")
 # "egb" in the global ID of a ULA: fd65:6762:0::/48, one /96 of it.
 V6_NETWORK = ipaddress.IPv6Network("fd65:6762::/96")
@@ -21,8 +23,6 @@ CAPACITY = V4_NETWORK.num_addresses - 2
 # How long a resolver may keep an answer: short, so a policy change is seen soon; the
 # mapping itself lasts the whole run.
 TTL = 10
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class ExhaustedError(Exception):

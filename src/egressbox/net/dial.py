@@ -30,8 +30,9 @@ from enum import StrEnum
 from ipaddress import IPv4Address
 from typing import Final, cast
 
-from egressbox.core.addresses import IPAddress
 from egressbox.core.errors import EgressboxError
+from egressbox.core.ip import IPAddress
+from egressbox.core.limits import MAX_PORT
 from egressbox.net.deadlines import wheel
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
 
 # RFC 8305 §5 "Connection Attempt Delay": the recommended default is 250 ms.
 DEFAULT_STAGGER = 0.25
-# Largest TCP port number (RFC 793 ports are 16 bits; port 0 cannot be dialled).
-MAX_PORT = 65535
 
 
 class DialFailure(StrEnum):

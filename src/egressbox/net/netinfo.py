@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 
-from egressbox.core.hosts import IPAddress
+from egressbox.core.ip import IPAddress
 
 FIB_TRIE = "/proc/net/fib_trie"
 IF_INET6 = "/proc/net/if_inet6"

@@ -34,13 +34,13 @@ import dns.rdatatype
 import dns.resolver
 
 from egressbox.core.errors import Reason, ResolveError
+from egressbox.core.ip import IPAddress
 from egressbox.core.limits import DNS_CACHE_SIZE, DNS_MAX_TTL
 from egressbox.core.limits import DNS_TIMEOUT as _LIMITS_DNS_TIMEOUT
 
 if TYPE_CHECKING:
     from egressbox.core.policy import Policy
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 # The values and the reasoning behind them live in egressbox.core.limits, the one
 # place for every limit: a whole resolution ends within 5 s (glibc's default

@@ -38,8 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from egressbox.core.errors import EgressboxError
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+from egressbox.core.ip import IPAddress, IPNetwork
 
 # proxy-protocol.txt §2.1: "the maximum line length is 107 bytes including the CRLF"
 # (the longest TCP6 line with both addresses and ports at their longest).
@@ -312,7 +311,6 @@ def build_v2(
 
 # -- trusted senders ----------------------------------------------------------------------
 
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # `--proxy-protocol` without `--proxy-protocol-from`: a balancer on this host.
 DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")

@@ -36,7 +36,8 @@ from enum import Enum, IntEnum, auto
 from typing import Final
 
 from egressbox.core.errors import EgressboxError, Reason
-from egressbox.core.hosts import IPAddress, canonical_ip_text
+from egressbox.core.hosts import canonical_ip_text
+from egressbox.core.ip import IPAddress
 
 # Enum members bound once (docs/development.md, "The compiled core's speed rules").
 _BAD_HOST: Final = Reason.BAD_HOST
@@ -454,5 +455,5 @@ def _packed(address: IPAddress) -> bytes:
 # The packed form of each bind address text seen: a server's sockets have few local
 # addresses, and ipaddress's parser is interpreted (~17,000 instructions, every tunnel's
 # reply). Bounded: past it, texts are parsed each time.
-_BIND_TEXTS_SIZE = 256
-_BIND_TEXTS: dict[str, bytes] = {}
+_BIND_TEXTS_SIZE: Final = 256
+_BIND_TEXTS: Final[dict[str, bytes]] = {}

@@ -33,15 +33,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from egressbox.core.errors import EgressboxError
+from egressbox.core.ip import IPAddress
 from egressbox.core.upstream import (
     ENV_PASSWORD,
     ENV_USER,
     UpstreamKind,
     UpstreamProxy,
 )
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
 
 # The upstream's reply to CONNECT: squid's and tinyproxy's heads are a few hundred bytes;
 # 16 KiB bounds what a broken upstream can make us hold before we give up.

@@ -12,3 +12,7 @@
 Imports run one way: server -> listeners -> forward -> tunnel -> gate -> approval (a test
 fails on a cycle).
 """
+
+# Compiled by mypyc (setup.py reads this tuple from the source, never importing it):
+# the per-connection glue: decision, gate, tunnels, listeners, forwarding, the server.
+COMPILED = ("check", "tls_check", "gate", "tunnel", "listeners", "forward", "server")

@@ -32,7 +32,7 @@ from egressbox.core.decide import (
     parse_target,
 )
 from egressbox.core.errors import HostError, ResolveError
-from egressbox.core.hosts import IPAddress
+from egressbox.core.ip import IPAddress
 from egressbox.core.policy import Policy
 
 if TYPE_CHECKING:

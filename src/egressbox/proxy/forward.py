@@ -49,12 +49,19 @@ from typing import TYPE_CHECKING, Final, cast
 
 from egressbox.core.decide import Decision
 from egressbox.core.errors import AuditError
-from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.hosts import format_authority
+from egressbox.core.ip import IPAddress
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.dial import DialError, Dialing, start_connect
 from egressbox.protocols import http1
 from egressbox.proxy.gate import OpenTarget, gate_request
-from egressbox.proxy.replies import dial_http_status, http_status
+from egressbox.proxy.replies import (
+    LINGER_BYTES,
+    LINGER_SECONDS,
+    dial_http_status,
+    http_status,
+    send_final,
+)
 from egressbox.proxy.upstream import UpstreamDial, dial_through
 
 # Members of enums from other modules bound once: compiled, each read would go
@@ -65,11 +72,6 @@ _REQUEST_KIND_CONNECT: Final = http1.RequestKind.CONNECT
 if TYPE_CHECKING:
     from egressbox.proxy.tunnel import Connection
 
-# After a refusal, drop what the client still sends for this long (and at
-# most this much), then close: closing with unread data would reset the
-# connection under the reply (nginx's lingering_close does the same).
-LINGER_SECONDS = 2.0
-LINGER_BYTES = 256 * 1024
 # Client bytes held while a request is decided, dialled or answered (the next
 # pipelined requests, or a body arriving before the upstream connection is
 # up): reading stops above this, so a client cannot fill the proxy's memory.
@@ -752,13 +754,9 @@ class Forwarder(asyncio.Protocol):
         if self.client.is_closing():
             return
         self.phase = _PHASE_CLOSING
-        self.client.write(reply)
-        if self.client.can_write_eof():
-            try:
-                self.client.write_eof()
-            except OSError:  # the client is already gone (ENOTCONN after its reset)
-                self._end()
-                return
+        if not send_final(self.client, reply):  # the client is already gone
+            self._end()
+            return
         if self.client_eof:
             self._close_client()
             return

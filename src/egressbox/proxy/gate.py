@@ -35,7 +35,8 @@ from egressbox.core.decide import (
     parse_target,
 )
 from egressbox.core.errors import AuditError, HostError, Reason, Verdict
-from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.hosts import format_authority
+from egressbox.core.ip import IPAddress
 from egressbox.core.limits import Limits
 from egressbox.core.policy import Policy
 from egressbox.core.synthetic import SyntheticNames

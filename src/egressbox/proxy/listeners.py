@@ -20,13 +20,13 @@ from egressbox.audit.record import AuditProtocol, AuditRecord
 from egressbox.core.decide import Decision
 from egressbox.core.errors import AuditError, Reason, Verdict
 from egressbox.core.hosts import INVALID_HOST_TEXT
+from egressbox.core.ip import IPNetwork
 from egressbox.core.local import LOOPBACK_ADDRESSES, LOOPBACK_NAME
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.dial import DialError
 from egressbox.net.original import Destinations
 from egressbox.protocols import http1, socks5
 from egressbox.protocols.proxy_header import (
-    IPNetwork,
     ProxyHeader,
     ProxyHeaderError,
     ProxyHeaderReader,
@@ -34,7 +34,15 @@ from egressbox.protocols.proxy_header import (
     unmapped,
 )
 from egressbox.proxy.gate import ProxyState, stderr_log
-from egressbox.proxy.replies import dial_http_status, dial_socks_code, http_status, socks_code
+from egressbox.proxy.replies import (
+    LINGER_BYTES,
+    LINGER_SECONDS,
+    dial_http_status,
+    dial_socks_code,
+    http_status,
+    send_final,
+    socks_code,
+)
 from egressbox.proxy.tunnel import Connection
 
 # Enum members bound once (docs/development.md, "The compiled core's speed rules").
@@ -43,12 +51,6 @@ _DENY: Final = Verdict.DENY
 _HTTP: Final = AuditProtocol.HTTP
 _SOCKS5: Final = AuditProtocol.SOCKS5
 _TCP: Final = AuditProtocol.TCP
-
-# After a refusal, read and drop what the client still sends for this long
-# before closing, so that closing with unread data does not reset the
-# connection under the reply (nginx's lingering_close does the same).
-LINGER_SECONDS: Final = 2.0
-LINGER_BYTES: Final = 256 * 1024
 
 
 class _Lingering(Connection):
@@ -63,16 +65,10 @@ class _Lingering(Connection):
         if transport is None or transport.is_closing():
             return
         self.cancel_timer()
-        transport.write(data)
         self.discarding = 0
-        if transport.can_write_eof():
-            try:
-                transport.write_eof()
-            except OSError:
-                # The client is already gone: over loopback its reset can
-                # arrive within the write above (ENOTCONN). Nothing to say.
-                transport.abort()
-                return
+        if not send_final(transport, data):  # the client is already gone: nothing to say
+            transport.abort()
+            return
         transport.resume_reading()
         self.timer = wheel(self.state.event_loop()).call_later(LINGER_SECONDS, self.close)
 
@@ -275,7 +271,7 @@ class CapturedConnection(Connection):
     def _as_localhost(self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> bool:
         """Whether a connection to 127.0.0.1 or ::1 is decided as `localhost:port`.
 
-        The child's /etc/hosts (confine/plan.py CAPTURE_HOSTS) maps localhost to these, so
+        The child's /etc/hosts (confine/grants.py CAPTURE_HOSTS) maps localhost to these, so
         `curl http://localhost:PORT` arrives here as the address, never as the name. When no
         allow or deny entry names the address on that port but `localhost:PORT` is admitted,
         the connection is the one that entry means: it is decided (and audited) by that

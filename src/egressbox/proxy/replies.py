@@ -6,7 +6,19 @@ the diagnostic line carry.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Final
+
 from egressbox.core.errors import Reason
+
+if TYPE_CHECKING:
+    import asyncio
+
+# After a refusal, read and drop what the client still sends for this long (and at
+# most this much) before closing: closing with unread data would reset the connection
+# under the reply (nginx's lingering_close does the same). Literal Finals: the compiled
+# modules that read them get the numbers, not a lookup.
+LINGER_SECONDS: Final = 2.0
+LINGER_BYTES: Final = 262_144  # 256 KiB
 
 # Reasons that are not policy denials of the destination.
 _HTTP_STATUS = {
@@ -59,3 +71,16 @@ def dial_http_status(failure: str) -> int:
 
 def dial_socks_code(failure: str) -> int:
     return _DIAL_SOCKS.get(failure, SOCKS_GENERAL_FAILURE)
+
+
+def send_final(transport: asyncio.Transport, reply: bytes) -> bool:
+    """Write the last reply and half-close, the start of a lingering close (both the
+    listeners' refusals and plain HTTP forwarding's). False when the client is already
+    gone: over loopback its reset can arrive within the write (ENOTCONN on write_eof)."""
+    transport.write(reply)
+    if transport.can_write_eof():
+        try:
+            transport.write_eof()
+        except OSError:
+            return False
+    return True

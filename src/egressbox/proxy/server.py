@@ -17,40 +17,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from egressbox.audit.record import (
     AuditRecord,
-    AuditSink,
 )
 from egressbox.core.decide import Decision, SelfEndpoints
 from egressbox.core.errors import AuditError, Reason, Verdict
-from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.hosts import format_authority
+from egressbox.core.ip import IPAddress
 from egressbox.core.limits import Limits
 from egressbox.core.policy import Policy
 from egressbox.core.synthetic import SyntheticNames
-from egressbox.core.upstream import UpstreamProxy
 from egressbox.net.netinfo import local_addresses
-from egressbox.net.original import Destinations
 
 # Imported at run time: compiled dataclasses resolve their field types.
 from egressbox.net.resolve import DnsMeter, Resolution, Resolver
 from egressbox.protocols.proxy_header import parse_trusted
-from egressbox.protocols.upstream import Upstream, UpstreamCredentials, credentials_from_env
-from egressbox.proxy.approval import DEFAULT_TIMEOUT as DEFAULT_ASK_TIMEOUT
-from egressbox.proxy.approval import Approvals, Decider
+from egressbox.protocols.upstream import Upstream, credentials_from_env
+from egressbox.proxy.approval import Approvals
 from egressbox.proxy.check import recheck
 from egressbox.proxy.gate import (
-    Credentials,
     Held,
-    Log,
-    Meter,
     OpenTarget,
     ProxyState,
     RecordCallback,
@@ -58,6 +53,7 @@ from egressbox.proxy.gate import (
     settle_held,
 )
 from egressbox.proxy.listeners import ProxyHeaderConnection, ProxyHeaderGate
+from egressbox.proxy.options import ProxyOptions
 from egressbox.proxy.tunnel import Connection
 
 if TYPE_CHECKING:
@@ -110,87 +106,54 @@ class EgressProxy:
     """
 
     def __init__(
-        self,
-        policy: Policy | None,
-        *,
-        listen: str = "127.0.0.1",
-        http_port: int | None = 0,
-        socks_port: int | None = 0,
-        resolver: Resolver | None = None,
-        audit: AuditSink | None = None,
-        on_record: RecordCallback | None = None,
-        keep_records: bool = False,
-        log: Log | None = None,
-        socks_credentials: Credentials | None = None,
-        http_sockets: Sequence[socket.socket] = (),
-        socks_sockets: Sequence[socket.socket] = (),
-        limits: Limits | None = None,
-        log_allowed: bool = True,
-        capture_sockets: Sequence[socket.socket] = (),
-        dns_sockets: Sequence[socket.socket] = (),
-        synthetic: SyntheticNames | None = None,
-        destinations: Destinations | None = None,
-        meter: Meter | None = None,
-        on_miss: Decider | None = None,
-        ask_timeout: float = DEFAULT_ASK_TIMEOUT,
-        proxy_protocol_from: Sequence[str] | None = None,
-        upstream: UpstreamProxy | None = None,
-        upstream_credentials: UpstreamCredentials | None = None,
-        secrets: Mapping[str, str] | None = None,
-        broker: Broker | None = None,
+        self, policy: Policy | None, options: ProxyOptions | None = None, /, **keywords: Any
     ) -> None:
-        """`log` gets one line per connection; with `log_allowed` False only refusals (the
-        audit records have everything). `capture_sockets` (listeners a child's connections
-        are redirected to) and `dns_sockets` (UDP sockets and TCP listeners of its DNS) serve
-        `run` with capture; `synthetic` is the names they share; `destinations` where
-        the connect supervisor's captured connections were going (run without a namespace).
-        `meter` (serve --admin) counts decisions, audit failures, relayed bytes and the own
-        resolver's queries.
-        `on_miss` is asked about a destination no allow entry admits (proxy/approval.py:
-        deny, once or session; no answer within `ask_timeout` seconds denies).
-        `proxy_protocol_from` (CIDR texts; None: off) makes the HTTP and SOCKS5 listeners
-        read a PROXY protocol header first and refuse every other sender. `upstream`
-        chains to that proxy instead of the policy's [egress] upstream (README "Through
-        an upstream proxy"); its credentials default to EGRESSBOX_UPSTREAM_USER/PASSWORD, read
-        once when an upstream is first used (ValueError when only one of them is set)."""
+        """`keywords` are ProxyOptions' fields (proxy/options.py), over `options` when both
+        are given; the state every connection shares is made whole here."""
+        if keywords:
+            given = options if options is not None else ProxyOptions()
+            options = dataclasses.replace(given, **keywords)
+        elif options is None:
+            options = ProxyOptions()
+        self.options = options
         self.records: list[AuditRecord] = []
-        if keep_records:
+        on_record = options.on_record
+        if options.keep_records:
             on_record = _chain(self.records.append, on_record)
-        self._listen = listen
-        self._ports = {"http": http_port, "socks5": socks_port}
-        self._given = {"http": list(http_sockets), "socks5": list(socks_sockets)}
-        self._capture = list(capture_sockets)
-        self._destinations = destinations
-        self._dns = list(dns_sockets)
+        self._listen = options.listen
+        self._ports = {"http": options.http_port, "socks5": options.socks_port}
+        self._given = {"http": list(options.http_sockets), "socks5": list(options.socks_sockets)}
+        self._capture = list(options.capture_sockets)
+        self._destinations = options.destinations
+        self._dns = list(options.dns_sockets)
         self._dns_udp: list[asyncio.DatagramTransport] = []
-        self._own_resolver = resolver is None
+        self._own_resolver = options.resolver is None
+        self._upstream = options.upstream
+        self._upstream_credentials = options.upstream_credentials
+        self._credentials_read = options.upstream_credentials is not None
+        self.broker = _broker_for(policy, options.broker, options.secrets)
         self.state = ProxyState(
             policy=policy,
-            resolver=resolver or default_resolver(policy, meter),
-            limits=limits or (policy.limits if policy is not None else Limits()),
-            audit=audit,
+            resolver=options.resolver or default_resolver(policy, options.meter),
+            limits=options.limits or (policy.limits if policy is not None else Limits()),
+            audit=options.audit,
             on_record=on_record,
-            log=log,
-            socks_credentials=socks_credentials,
-            log_allowed=log_allowed,
-            synthetic=synthetic
-            if synthetic is not None
-            else (SyntheticNames() if capture_sockets or dns_sockets else None),
-            meter=meter,
-            approvals=Approvals(on_miss, timeout=ask_timeout, log=log)
-            if on_miss is not None
+            log=options.log,
+            socks_credentials=options.socks_credentials,
+            log_allowed=options.log_allowed,
+            synthetic=_synthetic(options),
+            meter=options.meter,
+            approvals=Approvals(options.on_miss, timeout=options.ask_timeout, log=options.log)
+            if options.on_miss is not None
             else None,
+            upstream=self._upstream_for(policy),
+            broker=self.broker,
         )
         self.header_gate = (
-            ProxyHeaderGate(parse_trusted(proxy_protocol_from))
-            if proxy_protocol_from is not None
+            ProxyHeaderGate(parse_trusted(options.proxy_protocol_from))
+            if options.proxy_protocol_from is not None
             else None
         )
-        self._upstream = upstream
-        self._upstream_credentials = upstream_credentials
-        self._credentials_read = upstream_credentials is not None
-        self.state.upstream = self._upstream_for(policy)
-        self.state.broker = self.broker = _broker_for(policy, broker, secrets)
         self._servers: list[asyncio.Server] = []
         self.listeners: list[Listener] = []
 
@@ -504,6 +467,14 @@ class EgressProxy:
             self._credentials_read = True
             self._upstream_credentials = credentials_from_env(os.environ)
         return Upstream(proxy, self._upstream_credentials)
+
+
+def _synthetic(options: ProxyOptions) -> SyntheticNames | None:
+    """The names a child's capture listeners and DNS share: the given ones, else new ones
+    when either is served."""
+    if options.synthetic is not None:
+        return options.synthetic
+    return SyntheticNames() if options.capture_sockets or options.dns_sockets else None
 
 
 def _chain(first: RecordCallback, second: RecordCallback | None) -> RecordCallback:

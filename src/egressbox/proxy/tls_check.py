@@ -178,7 +178,7 @@ def _host_mismatch(policy: Policy, admitted: Decision, head: bytes) -> str | Non
 def _same_host(admitted: Decision, named: Target, target: Target) -> bool:
     """A Host that spells the decided host another way names no other host: an IP literal
     among the addresses the connection was checked and dialled to, or `localhost` for a
-    decided loopback address (the child's /etc/hosts maps it there: confine/plan.py
+    decided loopback address (the child's /etc/hosts maps it there: confine/grants.py
     CAPTURE_HOSTS). A name that is neither is judged by the policy (_other_name)."""
     if named.host.ip is not None:
         return named.host.ip in admitted.addresses

@@ -28,7 +28,8 @@ from typing import cast
 
 from egressbox.core.decide import Decision
 from egressbox.core.errors import ResolveError
-from egressbox.core.hosts import IPAddress, format_authority
+from egressbox.core.hosts import format_authority
+from egressbox.core.ip import IPAddress
 from egressbox.core.upstream import UpstreamTarget
 from egressbox.net.dial import (
     DialCallback,

@@ -1,7 +1,7 @@
 """`egressbox run`'s flags, declared once: each with the library keyword it sets and the policy
 key it mirrors.
 
-The command line builds its `run` parser from RUN_FLAGS (cli/__init__.py) and turns the parsed
+The command line builds its `run` parser from RUN_FLAGS (cli/run_start.py) and turns the parsed
 flags into options_for()'s keywords through the same table (cli/run.py); options_for() is the
 one constructor of RunOptions, for `egressbox.run(...)` and the command line alike. A test
 (tests/cli/test_run_options.py) holds the table, options_for()'s keywords and RunOptions'

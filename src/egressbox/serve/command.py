@@ -29,6 +29,7 @@ from egressbox.audit.record import (
 from egressbox.audit.suggest import with_mode
 from egressbox.core.errors import AuditError, PolicyError, print_policy_error
 from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
+from egressbox.core.limits import MAX_PORT
 from egressbox.core.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
 from egressbox.net.eventloop import run_loop
 from egressbox.net.resolve import parse_nameserver, resolver_for
@@ -49,8 +50,6 @@ from egressbox.serve.watch import PolicyWatch
 if TYPE_CHECKING:
     from egressbox.proxy.broker import Broker
 
-# Largest TCP port number.
-MAX_PORT = 65535
 # --drain-delay beyond this is a typo (a Kubernetes pod gets 30 s to stop by default).
 MAX_DRAIN_DELAY = 300.0
 
