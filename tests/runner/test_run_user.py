@@ -166,18 +166,22 @@ def test_the_connect_supervisor_connects_unix_sockets_with_names_rights(
 ) -> None:
     """Where no namespace can be made (a container's seccomp profile, tests/no_namespaces.py)
     `run --user NAME` falls back to the connect supervisor in root's `run`, which makes the
-    command's connects itself: a unix socket only root may use (0600, root's), inside the
-    granted workspace, must stay out of the command's reach; one NAME may use must work.
+    command's connects itself: a unix socket only root may use (0600, root's), under a
+    granted socket root, must stay out of the command's reach; one NAME may use must work.
+    (Both live before the run, so they are the host's: only a socket root admits them.)
     Judged by the listeners."""
     workspace, state = places
     (workspace / "client.py").write_text(UNIX_CLIENT)
-    root_only = _unix_listener(workspace / "root.sock", (0, 0), 0o600)
-    names = _unix_listener(workspace / "name.sock", account, 0o600)
+    sockets = workspace.parent / "sockets"
+    sockets.mkdir(mode=0o755)
+    root_only = _unix_listener(sockets / "root.sock", (0, 0), 0o600)
+    names = _unix_listener(sockets / "name.sock", account, 0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSBOX_")}
     env |= {"EGRESSBOX_STATE_DIR": str(state), "EGRESSBOX_PURE": "1"}
     argv = [sys.executable, str(WRAPPER), sys.executable, "-m", "egressbox", "run", "--report"]
-    argv += ["--user", TEST_USER, "--", "/usr/bin/python3", "client.py", "root.sock"]
-    argv += [str(workspace / "name.sock")]
+    argv += ["--user", TEST_USER, "--unix-socket-root", str(sockets), "--"]
+    argv += ["/usr/bin/python3", "client.py", str(sockets / "root.sock")]
+    argv += [str(sockets / "name.sock")]
     try:
         done = subprocess.run(
             argv, capture_output=True, text=True, env=env, cwd=workspace,
@@ -190,9 +194,9 @@ def test_the_connect_supervisor_connects_unix_sockets_with_names_rights(
     assert done.returncode == 0, done.stderr
     assert "network_namespace: none" in done.stderr and "connect supervisor" in done.stderr
     assert got_root == b"", "the command reached root's 0600 socket through the supervisor"
-    assert f"refused root.sock {errno.EACCES}" in done.stdout, done.stdout
+    assert f"refused {sockets / 'root.sock'} {errno.EACCES}" in done.stdout, done.stdout
     assert got_name == b"from the command", done.stdout
-    assert f"connected {workspace / 'name.sock'}" in done.stdout, done.stdout
+    assert f"connected {sockets / 'name.sock'}" in done.stdout, done.stdout
 
 
 def test_the_report_says_who_the_command_ran_as(
