@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import os
 import socket
 import subprocess
@@ -199,6 +200,10 @@ async def _connect(
     return await asyncio.open_connection(sock=sock)
 
 
+class _NoAnswerError(Exception):
+    """The admin listener closed a probe's connection without answering it."""
+
+
 class _CutError(Exception):
     """The listener closed or reset the attacker's connection."""
 
@@ -219,6 +224,8 @@ def raw_get(port: int, path: str) -> tuple[int, bytes, float]:
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
+    if not data:
+        raise _NoAnswerError(path)
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), body, time.monotonic() - started
 
@@ -226,14 +233,31 @@ def raw_get(port: int, path: str) -> tuple[int, bytes, float]:
 async def probe_rounds(port: int) -> float:
     """ROUNDS of /healthz and /readyz with both clients; the slowest answer's seconds."""
     slowest = 0.0
+    retried = 0
     for _ in range(ROUNDS):
         for client in (urllib_get, raw_get):
             for path, body in (("/healthz", b"ok\n"), ("/readyz", b"ready\n")):
-                status, got, seconds = await asyncio.to_thread(client, port, path)
+                try:
+                    status, got, seconds = await asyncio.to_thread(client, port, path)
+                except _CLOSED_UNANSWERED:
+                    # A probe whose own client was not scheduled between its connect and its
+                    # send looks silent to the listener, and an attacker's reconnect may evict
+                    # it (admin.py's docstring: the listener cannot tell them apart before the
+                    # first byte). A balancer checks again; so does this, once in all rounds.
+                    retried += 1
+                    assert retried <= PROBE_RETRIES, (client.__name__, path, "closed twice")
+                    status, got, seconds = await asyncio.to_thread(client, port, path)
                 assert (status, got) == (200, body), (client.__name__, path, status, got)
                 assert seconds < PROBE_BOUND, (client.__name__, path, seconds)
                 slowest = max(slowest, seconds)
     return slowest
+
+
+# A connection closed before any answer: urllib's RemoteDisconnected (a ConnectionResetError
+# too), a reset, or raw_get's empty reply (no status line to read).
+_CLOSED_UNANSWERED = (ConnectionError, http.client.RemoteDisconnected, _NoAnswerError)
+# Closed unanswered probes tolerated across all of probe_rounds' 24 (see there).
+PROBE_RETRIES = 1
 
 
 async def scrape(port: int) -> set[str]:
