@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from egressbox import EgressProxy, ProxyOptions, parse_policy
+from egressbox.proxy.options import ProxyKeywords
 
 POLICY = parse_policy({"egress": {"allow": ["localhost:1"]}})
 
@@ -26,7 +27,8 @@ def test_keywords_override_a_given_options_value() -> None:
 
 def test_an_unknown_keyword_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="listen_on"):
-        EgressProxy(POLICY, listen_on="127.0.0.1")
+        EgressProxy(POLICY, listen_on="127.0.0.1")  # type: ignore[call-arg]  # a type checker
+        # refuses it too (ProxyKeywords); this is the untyped caller's TypeError
 
 
 def test_the_state_is_whole_when_constructed() -> None:
@@ -48,3 +50,12 @@ def test_an_options_value_serves_on_loopback() -> None:
     http_url, socks_url = asyncio.run(main())
     assert http_url is None
     assert socks_url is not None and socks_url.startswith("socks5h://127.0.0.1:")
+
+
+def test_the_typed_keywords_are_the_options_fields() -> None:
+    """ProxyKeywords (what a caller's type checker sees) and ProxyOptions (what the proxy
+    reads) are one declaration in two forms: the same names, with the same types."""
+    fields = {f.name: f.type for f in dataclasses.fields(ProxyOptions)}
+    typed = {name: hint.__forward_arg__ for name, hint in ProxyKeywords.__annotations__.items()}
+    assert typed == fields
+    assert not ProxyKeywords.__required_keys__  # each has the options' default

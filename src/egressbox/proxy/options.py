@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from egressbox.proxy.approval import DEFAULT_TIMEOUT as DEFAULT_ASK_TIMEOUT
 
@@ -73,3 +73,35 @@ class ProxyOptions:
     upstream_credentials: UpstreamCredentials | None = None
     secrets: Mapping[str, str] | None = None
     broker: Broker | None = None
+
+
+class ProxyKeywords(TypedDict, total=False):
+    """ProxyOptions' fields as `EgressProxy(policy, **keywords)` takes them, so that a caller's
+    type checker sees each keyword and its type (tests/proxy/test_options.py holds the two
+    equal, name for name and type for type)."""
+
+    listen: str
+    http_port: int | None
+    socks_port: int | None
+    resolver: Resolver | None
+    audit: AuditSink | None
+    on_record: RecordCallback | None
+    keep_records: bool
+    log: Log | None
+    socks_credentials: Credentials | None
+    http_sockets: Sequence[socket.socket]
+    socks_sockets: Sequence[socket.socket]
+    limits: Limits | None
+    log_allowed: bool
+    capture_sockets: Sequence[socket.socket]
+    dns_sockets: Sequence[socket.socket]
+    synthetic: SyntheticNames | None
+    destinations: Destinations | None
+    meter: Meter | None
+    on_miss: Decider | None
+    ask_timeout: float
+    proxy_protocol_from: Sequence[str] | None
+    upstream: UpstreamProxy | None
+    upstream_credentials: UpstreamCredentials | None
+    secrets: Mapping[str, str] | None
+    broker: Broker | None

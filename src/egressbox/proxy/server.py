@@ -24,7 +24,7 @@ import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Unpack, cast
 
 from egressbox.audit.record import (
     AuditRecord,
@@ -53,7 +53,7 @@ from egressbox.proxy.gate import (
     settle_held,
 )
 from egressbox.proxy.listeners import ProxyHeaderConnection, ProxyHeaderGate
-from egressbox.proxy.options import ProxyOptions
+from egressbox.proxy.options import ProxyKeywords, ProxyOptions
 from egressbox.proxy.tunnel import Connection
 
 if TYPE_CHECKING:
@@ -106,7 +106,11 @@ class EgressProxy:
     """
 
     def __init__(
-        self, policy: Policy | None, options: ProxyOptions | None = None, /, **keywords: Any
+        self,
+        policy: Policy | None,
+        options: ProxyOptions | None = None,
+        /,
+        **keywords: Unpack[ProxyKeywords],
     ) -> None:
         """`keywords` are ProxyOptions' fields (proxy/options.py), over `options` when both
         are given; the state every connection shares is made whole here."""
