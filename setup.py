@@ -135,4 +135,7 @@ def ext_modules() -> list[object]:
         return []
 
 
-setup(ext_modules=ext_modules(), cmdclass={"build_ext": OptionalBuildExt})
+# setuptools runs this file as __main__; scripts/setup reads COMPILED from it under another
+# name (runpy), so the rule above is the only statement of the compiled set.
+if __name__ == "__main__":
+    setup(ext_modules=ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -219,25 +220,11 @@ SETUP = TESTS.parent / "setup.py"
 
 
 def _setup_compiled_modules() -> list[str]:
-    """setup.py's own reading of the declarations, run without setup() (which builds)."""
-    wanted = {"declared", "compiled_modules", "PACKAGES"}
-
-    def kept(node: ast.stmt) -> bool:
-        if isinstance(node, ast.ImportFrom):
-            return not (node.module or "").startswith("setuptools")
-        if isinstance(node, ast.FunctionDef):
-            return node.name in wanted
-        if isinstance(node, ast.Assign):
-            return any(isinstance(t, ast.Name) and t.id in wanted for t in node.targets)
-        return isinstance(node, ast.Import)
-
-    tree = ast.parse(SETUP.read_text(encoding="utf-8"))
-    body = [node for node in tree.body if kept(node)]
-    namespace: dict[str, object] = {"__file__": str(SETUP)}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(SETUP), "exec"), namespace)
-    found = namespace["compiled_modules"]
-    assert callable(found)
-    return list(found())
+    """setup.py's own list, run under another name than __main__ (so setup() is not called),
+    the way scripts/setup reads it."""
+    found = runpy.run_path(str(SETUP), run_name="egressbox_setup")["COMPILED"]
+    assert isinstance(found, list)
+    return [str(path) for path in found]
 
 
 def _packages() -> list[str]:
