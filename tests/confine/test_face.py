@@ -23,7 +23,15 @@ EVERYTHING = HostFacts(frozenset(HOST_NEEDS.values()), landlock_abi=7)
 
 
 def _request(**changes: Any) -> face.Request:
-    fs = FsPlan(read=("/usr", "/w/venv"), write=("/w",), deny=("/home/u/.ssh",))
+    grants = face.Grants(
+        home="/home/u",
+        write_roots=("/w",),
+        read_roots=("/usr", "/w/venv"),
+        executables=(),
+        presets=(),
+        deny=("/home/u/.ssh",),
+        socket_roots=("/run/app",),
+    )
     request = face.Request(
         argv=("true",),
         executable="/usr/bin/true",
@@ -32,22 +40,17 @@ def _request(**changes: Any) -> face.Request:
         env_ports={},
         mechanisms=ALL,
         profile=Profile.WORKTREE,
-        fs=fs,
-        workspaces=("/w",),
-        process_write=(),
-        socket_roots=("/run/app",),
+        grants=grants,
+        # A live socket under a read grant: covered in the world.
+        host=face.HostReads(live_sockets=("/usr/sock",), cgroup_off="no cgroup here"),
         read_only_scratch="",
         scratch=Scratch("/w/.egressbox/tmp", "/w/.egressbox/cache"),
-        hidden_sockets=("/usr/sock",),
         allow_loopback=False,
         pass_fds=(),
         rlimit_nofile=None,
         rlimit_as=None,
         max_processes=4096,
         memory=1 << 30,
-        cgroup=None,
-        cgroup_off="no cgroup here",
-        host_ports=(),
         uid=1000,
         gid=1000,
         parent_pid=1,
@@ -65,22 +68,24 @@ def test_plan_touches_nothing_of_the_host(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(os.path, "realpath", refuse)
     monkeypatch.setattr(builtins, "open", refuse)
     monkeypatch.setattr(socket, "socket", refuse)
-    plan = face.plan(_request(), EVERYTHING)
+    whole = face.plan(_request(), EVERYTHING)
     monkeypatch.undo()
-    assert plan == face.plan(_request(), EVERYTHING)  # the same request, the same plan
+    assert whole == face.plan(_request(), EVERYTHING)  # the same request, the same plan
+    plan = whole.launcher
     assert plan.world is not None
     # A read grant inside the workspace adds nothing; the live socket is covered.
     assert ("/w/venv", False) not in plan.world.grants and ("/w", True) in plan.world.grants
     assert "/usr/sock" in plan.world.mask
     assert plan.sockets == ("/run/app",)  # Landlock's filesystem rules admit its binds
+    assert whole.mechanisms == ALL and "/w" in whole.fs.write
 
 
 def test_a_mechanism_the_host_lacks_is_never_planned() -> None:
     no_mounts = HostFacts(EVERYTHING.available - {"mount_namespace"}, landlock_abi=7)
-    plan = face.plan(_request(), no_mounts)
+    plan = face.plan(_request(), no_mounts).launcher
     assert Mechanism.MOUNT_NAMESPACE.value not in plan.mechanisms
     assert plan.world is None  # no view without a mount namespace
-    old_abi = face.plan(_request(), EVERYTHING._replace(landlock_abi=3))
+    old_abi = face.plan(_request(), EVERYTHING._replace(landlock_abi=3)).launcher
     assert Mechanism.LANDLOCK_NET.value not in old_abi.mechanisms
     assert Mechanism.LANDLOCK_FS.value in old_abi.mechanisms
 
@@ -89,7 +94,8 @@ def test_launch_forks_a_launcher_that_holds_its_ends(tmp_path: Any) -> None:
     """launch() forks (no forker has one ready) and keeps its ends: the channel and the report
     pipe. The launcher waits for the word on its channel; closed from here, it ends, judged
     from here by its exit within a bound."""
-    plan = face.plan(_request(cwd=str(tmp_path), parent_pid=os.getpid()), HostFacts(frozenset()))
+    request = _request(cwd=str(tmp_path), parent_pid=os.getpid())
+    plan = face.plan(request, HostFacts(frozenset())).launcher
     launched = face.launch(plan, child_fds={}, forker=lambda *_: None)
     assert launched.pid > 0 and launched.pid != os.getpid()
     launched.chan.close()
