@@ -59,6 +59,7 @@ from egressbox.core.errors import EgressboxError
 if TYPE_CHECKING:
     from egressbox.confine.cgroup import CgroupPlan
     from egressbox.confine.clean import CleanCopies
+    from egressbox.confine.probe import Mechanism as HostMechanism
     from egressbox.confine.staging import StagingSpec
 
 
@@ -739,3 +740,56 @@ def _write_ignore(base: int) -> None:
         return
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write("# egressbox scratch space (temp files and caches)\n*\n")
+
+
+# -- the host's facts and the launcher forked ahead of time (runner/facts.py, runner/zygote.py)
+
+
+def probe(names: Sequence[str]) -> list[HostMechanism]:
+    """Probe these mechanisms on this host (confine/probe.py; a child for each namespace)."""
+    from egressbox.confine.probe import probe_mechanisms
+
+    return list(probe_mechanisms(tuple(names)))
+
+
+def compile_seccomp(*, allow_udp: bool) -> bytes:
+    """The command's seccomp filter as a BPF program (b"": the launcher builds it itself)."""
+    from egressbox.confine.seccomp import SeccompOptions, Status, compile_filter
+
+    compiled = compile_filter(SeccompOptions(allow_udp=allow_udp))
+    return compiled.program if compiled.status is Status.FULL else b""
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (a launcher forked ahead of time)."""
+    import signal
+
+    from egressbox.confine import syscalls
+
+    syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def preload_launcher() -> None:
+    """What the launcher imports first (confine/launcher.py _preload), now; a library that
+    fails to load is found again, and reported, by the launcher."""
+    import resource
+
+    from egressbox.confine import caps, capture, landlock, landlock_apply, launcher, world
+
+    del resource, caps, landlock, landlock_apply, launcher, world
+    with contextlib.suppress(capture.CaptureError):
+        capture.load_library()
+
+
+def walk_etc_early() -> None:
+    """The launcher's walk of /etc (the entries only their owner may read), done ahead."""
+    from egressbox.confine import launcher
+
+    launcher.walk_etc_early()
+
+
+def become_launcher(plan: LaunchPlan, chan_fd: int) -> NoReturn:
+    """This process becomes the launcher of `plan` (its channel to the parent: `chan_fd`)."""
+    from egressbox.confine.launcher import launcher_main
+
+    launcher_main(plan, chan_fd)
