@@ -222,9 +222,6 @@ STILL_BYPASSING = {
                "read_memory", "recv_message"},
     "project": {"path", "read", "write"},
     "spawn": {"namespace_inode", "own_namespace_inode", "recv_message"},
-    "supervise": {"classify_direct", "classify_namespace", "classify_output",
-                  "seccomp_kills", "seccomp_record", "unreadable_to_others",
-                  "with_requirement"},
     "verify": {"directory"},
 }  # fmt: skip
 
