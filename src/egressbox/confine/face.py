@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from egressbox.confine import netns
-from egressbox.confine.env import Scratch
 from egressbox.confine.grants import (
     ADMIT_HINT,
     CAPTURE_FILES,
@@ -57,8 +56,11 @@ from egressbox.confine.launcher import LaunchPlan, give_directories
 from egressbox.core.errors import EgressboxError
 
 if TYPE_CHECKING:
+    # Types only: a launcher forked ahead of time (runner/zygote.py) loads this module, and
+    # the environment's module (~3 ms) is nothing it needs.
     from egressbox.confine.cgroup import CgroupPlan
     from egressbox.confine.clean import CleanCopies
+    from egressbox.confine.env import Scratch
     from egressbox.confine.probe import Mechanism as HostMechanism
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord, SeccompKill
     from egressbox.confine.staging import StagingSpec
@@ -676,6 +678,8 @@ def set_up(plan: Plan, *, staged: StagingSpec | None = None) -> SetUp:
 
 def scratch_paths(root: str, name: str) -> Scratch:
     """The scratch space in directory `name` of `root`."""
+    from egressbox.confine.env import Scratch
+
     base = os.path.join(root, name)
     return Scratch(os.path.join(base, "tmp"), os.path.join(base, "cache"))
 
@@ -713,6 +717,8 @@ def private_scratch(owner: tuple[int, int] | None = None) -> Scratch:
     """A read-only workspace's scratch space without a mount namespace: a private directory of
     the host's, for this run only (the caller removes its parent at the end)."""
     import tempfile
+
+    from egressbox.confine.env import Scratch
 
     made = tempfile.mkdtemp(prefix="egressbox-scratch-")
     for name in ("tmp", "cache"):

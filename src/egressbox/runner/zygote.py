@@ -58,14 +58,15 @@ class Zygote:
 def start() -> None:
     """Fork the zygote now (at most one waits at a time).
 
-    The launcher module (with the plan's types and sockets) is imported first:
-    both sides need it, so it is imported once, before the fork.
+    Confinement's face (and through it the launcher's module, with the plan's types and
+    sockets) is imported first: both sides need it (the parent plans through it, the child
+    becomes the launcher through it), so it is imported once, before the fork.
     """
     if _pending:
         return
-    from egressbox.confine import launcher
+    from egressbox.confine import face
 
-    del launcher
+    del face
     parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
     try:
