@@ -3,6 +3,7 @@ mechanism the host lacks; launch(plan) forks a launcher that takes its descripto
 
 from __future__ import annotations
 
+import ast
 import builtins
 import os
 import signal
@@ -10,20 +11,29 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from egressbox.confine import face
 from egressbox.confine.env import Scratch
-from egressbox.confine.grants import HOST_NEEDS, FsPlan, HostFacts, Mechanism, Profile
+from egressbox.confine.grants import HOST_NEEDS, HostFacts, Mechanism, Profile
 
 ALL = frozenset(Mechanism)
 EVERYTHING = HostFacts(frozenset(HOST_NEEDS.values()), landlock_abi=7)
 
 
 def _request(**changes: Any) -> face.Request:
-    fs = FsPlan(read=("/usr", "/w/venv"), write=("/w",), deny=("/home/u/.ssh",))
+    grants = face.Grants(
+        home="/home/u",
+        write_roots=("/w",),
+        read_roots=("/usr", "/w/venv"),
+        executables=(),
+        presets=(),
+        deny=("/home/u/.ssh",),
+        socket_roots=("/run/app",),
+    )
     request = face.Request(
         argv=("true",),
         executable="/usr/bin/true",
@@ -32,22 +42,17 @@ def _request(**changes: Any) -> face.Request:
         env_ports={},
         mechanisms=ALL,
         profile=Profile.WORKTREE,
-        fs=fs,
-        workspaces=("/w",),
-        process_write=(),
-        socket_roots=("/run/app",),
+        grants=grants,
+        # A live socket under a read grant: covered in the world.
+        host=face.HostReads(live_sockets=("/usr/sock",), cgroup_off="no cgroup here"),
         read_only_scratch="",
         scratch=Scratch("/w/.egressbox/tmp", "/w/.egressbox/cache"),
-        hidden_sockets=("/usr/sock",),
         allow_loopback=False,
         pass_fds=(),
         rlimit_nofile=None,
         rlimit_as=None,
         max_processes=4096,
         memory=1 << 30,
-        cgroup=None,
-        cgroup_off="no cgroup here",
-        host_ports=(),
         uid=1000,
         gid=1000,
         parent_pid=1,
@@ -65,22 +70,24 @@ def test_plan_touches_nothing_of_the_host(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(os.path, "realpath", refuse)
     monkeypatch.setattr(builtins, "open", refuse)
     monkeypatch.setattr(socket, "socket", refuse)
-    plan = face.plan(_request(), EVERYTHING)
+    whole = face.plan(_request(), EVERYTHING)
     monkeypatch.undo()
-    assert plan == face.plan(_request(), EVERYTHING)  # the same request, the same plan
+    assert whole == face.plan(_request(), EVERYTHING)  # the same request, the same plan
+    plan = whole.launcher
     assert plan.world is not None
     # A read grant inside the workspace adds nothing; the live socket is covered.
     assert ("/w/venv", False) not in plan.world.grants and ("/w", True) in plan.world.grants
     assert "/usr/sock" in plan.world.mask
     assert plan.sockets == ("/run/app",)  # Landlock's filesystem rules admit its binds
+    assert whole.mechanisms == ALL and "/w" in whole.fs.write
 
 
 def test_a_mechanism_the_host_lacks_is_never_planned() -> None:
     no_mounts = HostFacts(EVERYTHING.available - {"mount_namespace"}, landlock_abi=7)
-    plan = face.plan(_request(), no_mounts)
+    plan = face.plan(_request(), no_mounts).launcher
     assert Mechanism.MOUNT_NAMESPACE.value not in plan.mechanisms
     assert plan.world is None  # no view without a mount namespace
-    old_abi = face.plan(_request(), EVERYTHING._replace(landlock_abi=3))
+    old_abi = face.plan(_request(), EVERYTHING._replace(landlock_abi=3)).launcher
     assert Mechanism.LANDLOCK_NET.value not in old_abi.mechanisms
     assert Mechanism.LANDLOCK_FS.value in old_abi.mechanisms
 
@@ -89,7 +96,8 @@ def test_launch_forks_a_launcher_that_holds_its_ends(tmp_path: Any) -> None:
     """launch() forks (no forker has one ready) and keeps its ends: the channel and the report
     pipe. The launcher waits for the word on its channel; closed from here, it ends, judged
     from here by its exit within a bound."""
-    plan = face.plan(_request(cwd=str(tmp_path), parent_pid=os.getpid()), HostFacts(frozenset()))
+    request = _request(cwd=str(tmp_path), parent_pid=os.getpid())
+    plan = face.plan(request, HostFacts(frozenset())).launcher
     launched = face.launch(plan, child_fds={}, forker=lambda *_: None)
     assert launched.pid > 0 and launched.pid != os.getpid()
     launched.chan.close()
@@ -139,3 +147,176 @@ def test_worktree_gaps_are_said_or_refused_and_os_hardened_refuses() -> None:
     assert hardened.refusals and not any(r.selector_honored for r in hardened.refusals)
     off = face.choose(Profile.WORKTREE, no_landlock, files_off=True, enforce=True)
     assert off.refusals == [] and off.gaps == () and Mechanism.MOUNT_NAMESPACE not in off.chosen
+
+
+# -- the runner reaches confinement through the face ----------------------------------------
+
+RUNNER = Path(__file__).resolve().parents[2] / "src" / "egressbox" / "runner"
+FACE = "egressbox.confine.face"
+
+# What any runner module may take from confinement besides the face: results and vocabulary
+# (what a plan or a run's outcome is made of, and the tables naming it).
+RESULTS = frozenset(
+    {
+        "CacheMode",
+        "CachePlan",
+        "CacheRoot",
+        "Change",
+        "DEFAULT_PRESETS",
+        "DEFAULT_PROFILE",
+        "Enforcement",
+        "EnvPolicy",
+        "Executable",
+        "FsPlan",
+        "HostFacts",
+        "HostSupport",
+        "LaunchPlan",
+        "Mechanism",
+        "PROBED_MECHANISMS",
+        "Profile",
+        "Refusal",
+        "RefusalRecord",
+        "Scratch",
+        "StagingSpec",
+        "CommandNotFoundError",
+        "Boundary",
+        "HostPath",
+        "PathPlan",
+        "Outcome",
+        "Rules",
+        "Selection",
+        "Target",
+        "Journal",
+        "JOURNAL",
+        "SOURCE_AUDIT",
+        "AUDIT_ARCHES",
+        "CONSTRUCTED",
+        "KERNEL_READ_ONLY",
+        "FORWARDED",
+        "MISSING",
+        "PRIVATE_TMPFS",
+        "PORT_TEMPLATES",
+        "STATE_ENV",
+        # pure helpers on the vocabulary: a path under a root, ~ expanded, a profile's parts
+        "is_under",
+        "expand_user",
+        "wanted",
+        "host_trusted",
+        "parse_profile",
+        "profile_note",
+        "strictest",
+    }
+)
+# What still bypasses the face, module by module: calls into confinement's inner modules
+# that are neither planning nor applying through plan/launch (the state cache, judging a
+# refusal after the run, the staged layer's apply, the connect supervisor's kernel calls,
+# the environment's and the toolchains' planning, the command's resolution). A name added
+# here is a step back; one taken away when it moves behind the face.
+STILL_BYPASSING = {
+    "assemble": {"child_environment", "held_back", "proxy_variables", "plan_caches",
+                 "resolve_command", "report_row"},
+    "facts": {"directory", "path", "prune", "read", "remove", "write"},
+    "layers": {"apply_tree", "directory", "list_tree", "remove_journal_temp"},
+    "notify": {"IOCTL_NOTIF_ID_VALID", "IOCTL_NOTIF_RECV", "IOCTL_NOTIF_SEND", "NOTIF",
+               "NOTIF_RESP", "RESOLVE_NO_MAGICLINKS", "openat2", "pidfd_getfd",
+               "read_memory", "recv_message"},
+    "project": {"path", "read", "write"},
+    "spawn": {"namespace_inode", "own_namespace_inode", "recv_message"},
+    "verify": {"directory"},
+}  # fmt: skip
+
+
+def confine_names(source: str) -> set[str]:
+    """The confine names a module uses outside the face: `from egressbox.confine.X import N`
+    (X not the face), and `m.N` through a name bound to a confine module other than the face."""
+    tree = ast.parse(source)
+    names: set[str] = set()
+    modules: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("egressbox.confine"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full == FACE or node.module == FACE:
+                    continue
+                if node.module == "egressbox.confine" and alias.name in _FACE_NAMES:
+                    continue  # the package's own face names (confine/__init__.py)
+                if node.module == "egressbox.confine":
+                    modules.add(alias.asname or alias.name)  # an inner module, used as m.N
+                else:
+                    names.add(alias.name)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("egressbox.confine."))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
+            names.add(node.attr)
+    return names
+
+
+# The package's face names (confine/__init__.py __all__).
+_FACE_NAMES = frozenset({
+    "Grants", "HostReads", "Launched", "Plan", "Request", "launch", "plan", "read_host", "set_up"
+})  # fmt: skip
+
+
+def test_runner_modules_reach_confinement_only_through_its_face() -> None:
+    found, gone = {}, {}
+    for path in sorted(RUNNER.glob("*.py")):
+        used = confine_names(path.read_text())
+        extra = used - RESULTS - STILL_BYPASSING.get(path.stem, set())
+        if extra:
+            found[path.stem] = sorted(extra)
+        # A name that moved behind the face leaves the list too: it only ever shrinks.
+        if stale := STILL_BYPASSING.get(path.stem, set()) - used:
+            gone[path.stem] = sorted(stale)
+    assert found == {}, f"runner modules call past confine's face: {found}"
+    assert gone == {}, f"no longer bypassing the face, take off STILL_BYPASSING: {gone}"
+
+
+def test_a_planted_import_past_the_face_is_found() -> None:
+    planted = (
+        "from egressbox.confine import face, seccomp\n"
+        "from egressbox.confine.grants import Mechanism, choose_mechanisms\n"
+        "seccomp.compile_filter(None)\nface.plan(None, None)\n"
+    )
+    assert confine_names(planted) - RESULTS == {"choose_mechanisms", "compile_filter"}
+
+
+def test_plan_holds_the_clean_copies_and_says_what_it_cannot_grant() -> None:
+    """The copies read by read_host are bound over their originals in the world; without a
+    mount namespace they cannot be, so the originals are denied and the run is told."""
+    from egressbox.confine.clean import CleanCopies
+
+    copies = CleanCopies((("/usr/gitconfig", "[user]\n"),), ("/usr/gitconfig",), (), ("x",))
+    request = _request(host=face.HostReads(copies=copies))
+    whole = face.plan(request, EVERYTHING)
+    assert whole.launcher.world is not None
+    assert ("/usr/gitconfig", "[user]\n") in whole.launcher.world.files
+    assert "/usr/gitconfig" not in whole.fs.deny and whole.notes == ("granted as a clean copy: x",)
+    no_mounts = HostFacts(EVERYTHING.available - {"mount_namespace"}, landlock_abi=7)
+    bare = face.plan(request, no_mounts)
+    assert "/usr/gitconfig" in bare.fs.deny and "/usr/gitconfig" in bare.launcher.deny
+    assert any("not granted" in w and "/usr/gitconfig" in w for w in bare.warnings)
+
+
+def test_set_up_binds_the_host_listeners_only_without_a_network_namespace() -> None:
+    """Without a network namespace set_up listens on the host's loopback for the proxy and
+    the launcher's plan names those ports; with one it makes nothing."""
+    with_ns = face.set_up(face.plan(_request(), EVERYTHING))
+    assert with_ns.listeners == [] and with_ns.host_capture is None
+    no_net = HostFacts(EVERYTHING.available - {"network_namespace"}, landlock_abi=7)
+    supervised = _request(host=face.HostReads(supervised=True))
+    made = face.set_up(face.plan(supervised, no_net))
+    try:
+        ports = tuple(s.getsockname()[1] for s in made.listeners)
+        assert len(ports) == 2 and made.launcher.host_ports == ports
+        assert made.host_capture is not None  # capture through the connect supervisor
+        for port in (*ports, made.host_capture.getsockname()[1]):
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass  # each listens, from the host's side
+    finally:
+        for sock in (*made.listeners, *([made.host_capture] if made.host_capture else [])):
+            sock.close()

@@ -1,17 +1,18 @@
 """Confinement's one face: plan(request, facts) -> Plan, pure, and launch(plan) -> Launched.
 
-`plan` decides the child's world and what the launcher applies from a Request that holds
-what was read of the host already (the live unix sockets to cover, the memory budget and its
-cgroup, the ids, the directory): it reads and changes nothing. `launch` forks the launcher
-(confine/launcher.py) with the plan and returns its pid, the channel to it and the pipe its
-report of what it applied arrives on.
+`plan` decides everything of the child's confinement from a Request: the filesystem grants
+(asked for as `Grants`, narrowed to what holds without a mount namespace, with the tools'
+configuration files as clean copies), the world, the walls the launcher applies, and what the
+caller is told (warnings, notes). It reads and changes nothing: what it needs of the host is in
+the Request already, read by `read_host` (the live unix sockets, real paths, the clean copies'
+sources, the cgroup, whether connects can be supervised). `set_up` makes what the launch needs
+on the host after planning (the proxy's listeners on the host's loopback without a network
+namespace, the connect supervisor's capture listener) and completes the launcher's plan with
+it and the staged workspace's layer. `launch` forks the launcher (confine/launcher.py) with it.
 
-Before the Request, the caller asks the face's other pure planning steps: `choose` (the
-profile's mechanisms on this host, and its refusals) and `filesystem` (the grants, narrowed to
-what holds without a mount namespace). What reads the host for a Request (`live_sockets`,
-`clean_copies`, `probe_cgroup`, `connects_off`) and the set-up with I/O a plan needs before
-the fork (the scratch space, the proxy's listeners on the host's loopback without a network
-namespace) are here too, named as such, never inside `plan`.
+Before the Request, `choose` gives the profile's mechanisms on this host and its refusals: the
+caller's own inputs (its layout, the scratch space, the environment) depend on them. The
+scratch space itself is made by named set-up steps (`make_scratch`, `private_scratch`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from egressbox.confine import netns
-from egressbox.confine.env import Scratch
 from egressbox.confine.grants import (
     ADMIT_HINT,
     CAPTURE_FILES,
@@ -56,10 +56,50 @@ from egressbox.confine.launcher import LaunchPlan, give_directories
 from egressbox.core.errors import EgressboxError
 
 if TYPE_CHECKING:
+    # Types only: a launcher forked ahead of time (runner/zygote.py) loads this module, and
+    # the environment's module (~3 ms) is nothing it needs.
     from egressbox.confine.cgroup import CgroupPlan
+    from egressbox.confine.clean import CleanCopies
+    from egressbox.confine.env import Scratch
+    from egressbox.confine.probe import Mechanism as HostMechanism
+    from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord, SeccompKill
     from egressbox.confine.staging import StagingSpec
+    from egressbox.confine.toolchains import CacheMode, CacheRoot
 
-Plan = LaunchPlan
+
+class Grants(NamedTuple):
+    """The filesystem grants asked for (grants.py plan_filesystem's inputs)."""
+
+    home: str
+    write_roots: tuple[str, ...]
+    read_roots: tuple[str, ...]
+    executables: tuple[str, ...]
+    presets: tuple[str, ...] = DEFAULT_PRESETS
+    deny: tuple[str, ...] = CREDENTIALS
+    protected_files: tuple[str, ...] = ()
+    process_read_roots: tuple[str, ...] = ()
+    process_write_roots: tuple[str, ...] = ()
+    socket_roots: tuple[str, ...] = ()
+    # Without a mount namespace: the scratch space made on the host for a read-only workspace.
+    host_scratch: tuple[str, ...] = ()
+    passed: tuple[str, ...] = ()  # --grant-file: originals passed as they are
+
+
+class HostReads(NamedTuple):
+    """What `read_host` read of the host for a Request (nothing is made)."""
+
+    # The host's live bound unix sockets (real paths) of this network namespace: read when
+    # the world covers them (a mount namespace) or the connect supervisor admits unix paths.
+    live_sockets: tuple[str, ...] = ()
+    real: Mapping[str, str] = {}  # the real path of each granted path and socket root
+    copies: CleanCopies | None = None  # the tools' configuration files (None: not in view)
+    cgroup: CgroupPlan | None = None
+    cgroup_off: str = "the host's memory size is unknown"
+    # Why the connects cannot be supervised without a network namespace ("" when they can,
+    # or with a namespace) and, when they are, the supervisor's seccomp filter.
+    connects_off: str = ""
+    supervised: bool = False
+    connect_filter: bytes = b""
 
 
 class Request(NamedTuple):
@@ -70,41 +110,44 @@ class Request(NamedTuple):
     cwd: str  # real path
     env: dict[str, str]
     env_ports: Mapping[str, str]  # NAME -> template with {http}/{socks}
-    mechanisms: frozenset[Mechanism]  # chosen for the profile on this host
+    mechanisms: frozenset[Mechanism]  # chosen for the profile on this host (`choose`)
     profile: Profile
-    fs: FsPlan
-    workspaces: tuple[str, ...]  # the writable workspace roots
-    process_write: tuple[str, ...]  # the tools' writable roots
-    socket_roots: tuple[str, ...]
+    grants: Grants
+    host: HostReads
     read_only_scratch: str  # a read-only workspace's scratch ("": a writable workspace)
     scratch: Scratch | None
-    # The host's live unix sockets under a grant and not under a socket root (what the world
-    # covers): read by the caller, from the grants granted_paths() gives.
-    hidden_sockets: tuple[str, ...]
     allow_loopback: bool
     pass_fds: tuple[int, ...]
     rlimit_nofile: int | None
     rlimit_as: int | None
     max_processes: int | None
     memory: int | None  # the run's memory budget in bytes (None: unknown)
-    cgroup: CgroupPlan | None
-    cgroup_off: str
-    host_ports: tuple[int, ...]  # without a namespace: the proxy's listeners on the host
     uid: int
     gid: int
     parent_pid: int
     capture: bool
-    copies: tuple[tuple[str, str], ...] = ()  # files the view holds: (path, contents)
-    # The staged workspace's overlays (confine/staging.py), and the host-trusted paths its
-    # gate holds back at the run's end (not bound read-only then: the command may write
-    # them in its layer, and what it wrote is named, not applied). None: direct.
-    staged: StagingSpec | None = None
+    copies: tuple[tuple[str, str], ...] = ()  # more files the view holds: (path, contents)
+    # The host-trusted paths a staged workspace's gate holds back at the run's end (not bound
+    # read-only then: the command may write them in its layer, and what it wrote is named,
+    # not applied); `set_up` applies it once the layer is made.
     trusted: tuple[str, ...] = ()
     seccomp_program: bytes = b""  # compiled (and cached) by the caller; b"": no seccomp
-    # No network namespace: the connect supervisor's filter (connect_filter()): the child's
-    # connects are held and the supervisor connects them itself. b"": none.
-    connect_filter: bytes = b""
     run_as: tuple[int, int, tuple[int, ...]] | None = None  # --user NAME's ids
+    # The variable that tells a nested run what this one grants ("": none).
+    roots_variable: str = ""
+
+
+class Plan(NamedTuple):
+    """A run's whole confinement, decided (`plan`)."""
+
+    launcher: LaunchPlan  # what the launcher applies (completed by `set_up`)
+    mechanisms: frozenset[Mechanism]  # planned: chosen and on this host
+    fs: FsPlan  # the filesystem grants as they hold, with the clean copies' originals denied
+    warnings: tuple[str, ...]  # said before the command starts
+    notes: tuple[str, ...]  # what a clean copy left out, said like a widened root
+    supervised: bool  # no network namespace: the connect supervisor holds the connects
+    captures: bool  # asked to capture (in the launcher, or through the supervisor)
+    trusted: tuple[str, ...] = ()  # what a staged layer holds back (Request.trusted)
 
 
 def granted_paths(
@@ -121,28 +164,48 @@ def granted_paths(
 
 
 def plan(request: Request, facts: HostFacts) -> Plan:
-    """What the launcher applies: the child's world and its walls (pure). A mechanism the
+    """The run's confinement: its grants, its world and its walls (pure). A mechanism the
     host lacks (facts) is never planned."""
     r = request
     chosen = frozenset(m for m in r.mechanisms if host_has(facts, m))
     mounts = Mechanism.MOUNT_NAMESPACE in chosen
-    readable, writable = granted_paths(r.fs, r.workspaces, r.process_write, r.socket_roots)
+    landlock = Mechanism.LANDLOCK_FS in chosen
+    files = mounts or landlock
+    fs = _filesystem(r.grants, mounts)
+    no_copies: tuple[FsPlan, tuple[tuple[str, str], ...], list[str], list[str]] = (fs, (), [], [])
+    fs, copies, warnings, notes = _with_copies(fs, r.host, mounts) if files else no_copies
+    g = r.grants
+    env = dict(r.env)
+    if files and r.roots_variable:
+        env[r.roots_variable] = roots_json(fs, g.socket_roots)
+    if g.socket_roots and files and not landlock:
+        warnings.append(
+            "unix socket roots admit connect only here: a bind there needs Landlock's "
+            "filesystem rules, which keep their other files read-only"
+        )
+    readable, writable = granted_paths(fs, g.write_roots, g.process_write_roots, g.socket_roots)
+    real = r.host.real
     # Only socket roots admit a socket: a bind there (read-write bind, Landlock admitting the
     # making of a socket and no other write) and a connect; a live socket under any other
     # grant is covered (grants.py sockets_to_hide). Without Landlock's filesystem rules a
     # read-write bind would make the socket root writable: it stays read-only (connect only).
-    landlock = Mechanism.LANDLOCK_FS in chosen
-    socket_bind = socket_bind_roots(r.socket_roots, r.fs.write, writable) if landlock else ()
+    socket_bind = socket_bind_roots(g.socket_roots, fs.write, writable) if landlock else ()
+    hidden = (
+        sockets_to_hide(
+            r.host.live_sockets,
+            {real.get(p, p) for p in (*readable, *writable)},
+            [real.get(p, p) for p in g.socket_roots],
+        )
+        if mounts
+        else ()
+    )
     # The private file systems together fit in the run's memory budget.
     tmp_size, shm_size = tmpfs_sizes(r.memory)
-    # Staged: host-trusted names are held back by the gate, not bound read-only; read-only
-    # roots nested in writable ones stay read-only binds.
-    held = set(r.trusted) if r.staged is not None else set()
     world = WorldSpec(
         grants=(*((p, False) for p in readable), *((p, True) for p in writable)),
-        read_only=tuple(p for p in r.fs.read_only_inside_write if p not in held),
-        mask=(*r.fs.deny, *(r.hidden_sockets if mounts else ())),
-        socket_roots=r.socket_roots,
+        read_only=fs.read_only_inside_write,
+        mask=(*fs.deny, *hidden),
+        socket_roots=g.socket_roots,
         socket_bind=socket_bind if mounts else (),
         scratch=(r.scratch.tmp, r.scratch.cache) if r.scratch is not None and mounts else (),
         cwd=r.cwd,
@@ -152,24 +215,24 @@ def plan(request: Request, facts: HostFacts) -> Plan:
         shm_size=str(shm_size),
         # Captured: the child's resolver asks egressbox's DNS inside the namespace.
         # and the tools' configuration files as clean copies (confine/clean.py).
-        files=(*(CAPTURE_FILES if r.capture else ()), *r.copies),
+        files=(*(CAPTURE_FILES if r.capture else ()), *copies, *r.copies),
     )
     # The read-only workspace's scratch is in the view's private /tmp: Landlock must let the
     # command write there whatever the presets say (it is never bound from the host).
     scratch = (r.read_only_scratch,) if r.read_only_scratch and mounts else ()
-    return LaunchPlan(
+    supervised = Mechanism.NETWORK_NAMESPACE not in chosen and r.host.supervised
+    launcher = LaunchPlan(
         argv=r.argv,
         executable=r.executable,
         cwd=world.cwd,
-        env=r.env,
+        env=env,
         mechanisms=tuple(sorted(m.value for m in chosen)),
         uid=r.uid,
         gid=r.gid,
-        host_ports=r.host_ports,
-        read=(*r.fs.read, *r.socket_roots),
-        write=(*r.fs.write, *scratch),
-        deny=r.fs.deny,
-        read_only_inside_write=r.fs.read_only_inside_write,
+        read=(*fs.read, *g.socket_roots),
+        write=(*fs.write, *scratch),
+        deny=fs.deny,
+        read_only_inside_write=fs.read_only_inside_write,
         sockets=socket_bind,
         allow_loopback=r.allow_loopback,
         pass_fds=r.pass_fds,
@@ -177,20 +240,46 @@ def plan(request: Request, facts: HostFacts) -> Plan:
         rlimit_as=r.rlimit_as,
         rlimit_nproc=r.max_processes,
         rlimit_data=r.memory,
-        cgroup=r.cgroup,
-        cgroup_off=r.cgroup_off,
+        cgroup=r.host.cgroup,
+        cgroup_off=r.host.cgroup_off,
         best_effort=r.profile is not Profile.OS_HARDENED,
         env_ports=r.env_ports,
         parent_pid=r.parent_pid,
         world=world if mounts else None,
         # Supervised, the connect filter sends every connect to the supervisor, which
         # connects it to the proxy or the capture listener: no capture in the launcher.
-        capture=r.capture and not r.connect_filter,
+        capture=r.capture and not supervised,
         seccomp_program=r.seccomp_program if Mechanism.SECCOMP in chosen else b"",
-        connect_filter=r.connect_filter,
-        staged=r.staged if r.staged is not None and mounts else None,
+        connect_filter=r.host.connect_filter if supervised else b"",
         run_as=r.run_as,
     )
+    if supervised:
+        launcher = _unix_grants(launcher, g.socket_roots, r.host)
+    return Plan(
+        launcher, chosen, fs, tuple(warnings), tuple(notes), supervised, r.capture, r.trusted
+    )
+
+
+def _unix_grants(launcher: LaunchPlan, socket_roots: Sequence[str], host: HostReads) -> LaunchPlan:
+    """Where the connect supervisor may connect a unix socket path for the command."""
+    if launcher.world is not None or not launcher.has(Mechanism.LANDLOCK_FS):
+        return launcher  # a constructed view holds only grants; no filesystem rules: every path
+    # The host's view: Landlock does not cover connect(2) to a pathname socket, so the
+    # supervisor admits one only where the world would have it (the write roots and the
+    # socket roots), and not to a host socket already live under a write root.
+    sockets = tuple(host.real.get(p, p) for p in socket_roots)
+    write = tuple(host.real.get(p, p) for p in launcher.write)
+    hidden = sockets_to_hide(host.live_sockets, set(write), list(sockets))
+    return launcher._replace(unix_roots=(*write, *sockets), unix_hidden=hidden)
+
+
+def roots_json(fs: FsPlan, sockets: Sequence[str]) -> str:
+    """What this run grants, for a run nested in it (its EGRESSBOX_ROOTS)."""
+    import json
+
+    write = list(dict.fromkeys(fs.write))
+    read = [p for p in dict.fromkeys((*fs.read, *sockets)) if p not in fs.deny]
+    return json.dumps({"write": write, "read": read}, separators=(",", ":"))
 
 
 class Launched(NamedTuple):
@@ -203,18 +292,19 @@ class Launched(NamedTuple):
 
 # A launcher forked ahead of time (runner/zygote.py): given the plan, the launcher's end of
 # the channel and the descriptors to dup2, its pid; None when there is none (fork then).
-Forker = Callable[[Plan, socket.socket, dict[int, int]], "int | None"]
+Forker = Callable[[LaunchPlan, socket.socket, dict[int, int]], "int | None"]
 
 
 def launch(
-    plan: Plan,
+    plan: LaunchPlan,
     *,
     child_fds: Mapping[int, int] | None = None,
     in_child: Callable[[], None] | None = None,
     forker: Forker | None = None,
 ) -> Launched:
-    """Fork the launcher with `plan`: `child_fds` are dup2()ed onto its std fds (target:
-    source), then `in_child` runs in it. On failure nothing of the launch stays open."""
+    """Fork the launcher with `plan` (a Plan's launcher plan, as `set_up` completed it):
+    `child_fds` are dup2()ed onto its std fds (target: source), then `in_child` runs in it.
+    On failure nothing of the launch stays open."""
     fds = dict(child_fds or {})
     parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     # What the launcher applied arrives on this pipe just before exec, which closes it.
@@ -236,7 +326,7 @@ def launch(
 
 
 def _launcher(  # noqa: PLR0917 (the launch's own ends, in the child)
-    plan: Plan,
+    plan: LaunchPlan,
     parent_chan: socket.socket,
     child_chan: socket.socket,
     report_r: int,
@@ -310,34 +400,21 @@ def preset_paths(presets: Sequence[str], home: str) -> tuple[str, ...]:
     return tuple(expand_user(p, home) for name in presets for p in PRESETS.get(name, ()))
 
 
-def filesystem(
-    *,
-    home: str,
-    write_roots: Sequence[str],
-    read_roots: Sequence[str],
-    executables: Sequence[str],
-    presets: Sequence[str] = DEFAULT_PRESETS,
-    deny: Sequence[str] = CREDENTIALS,
-    protected_files: Sequence[str] = (),
-    process_read_roots: Sequence[str] = (),
-    process_write_roots: Sequence[str] = (),
-    mounts: bool = True,
-    host_scratch: Sequence[str] = (),
-) -> FsPlan:
+def _filesystem(g: Grants, mounts: bool) -> FsPlan:
     """The run's filesystem grants (grants.py plan_filesystem), as they can hold on this host:
     without a mount namespace (`mounts` False) see host_view."""
     fs = plan_filesystem(
-        home=home,
-        write_roots=write_roots,
-        read_roots=read_roots,
-        executables=executables,
-        presets=presets,
-        deny=deny,
-        protected_files=protected_files,
-        process_read_roots=process_read_roots,
-        process_write_roots=process_write_roots,
+        home=g.home,
+        write_roots=g.write_roots,
+        read_roots=g.read_roots,
+        executables=g.executables,
+        presets=g.presets,
+        deny=g.deny,
+        protected_files=g.protected_files,
+        process_read_roots=g.process_read_roots,
+        process_write_roots=g.process_write_roots,
     )
-    return fs if mounts else host_view(fs, protected_files, host_scratch)
+    return fs if mounts else host_view(fs, g.protected_files, g.host_scratch)
 
 
 # Without a mount namespace the child sees the host's /dev, and Landlock is the only wall: the
@@ -388,18 +465,52 @@ def private_paths(mounts: bool) -> tuple[str, ...]:
 # -- reading the host for a Request -----------------------------------------------------------
 
 
-def live_sockets(granted: Sequence[str], socket_roots: Sequence[str]) -> tuple[str, ...]:
-    """The host's bound unix sockets under a grant but not under a socket root, as real paths
-    (what the world covers); /proc/net/unix lists the sockets of this network namespace."""
+def read_host(
+    grants: Grants,
+    mechanisms: frozenset[Mechanism],
+    *,
+    budget: int | None,
+    max_processes: int | None,
+) -> HostReads:
+    """What `plan` needs of the host for these grants under `mechanisms` (reads only): the
+    grants themselves are planned here as `plan` will, to know which paths to read."""
+    mounts = Mechanism.MOUNT_NAMESPACE in mechanisms
+    files = mounts or Mechanism.LANDLOCK_FS in mechanisms
+    connects = "" if Mechanism.NETWORK_NAMESPACE in mechanisms else connects_off(mechanisms)
+    supervised = Mechanism.NETWORK_NAMESPACE not in mechanisms and not connects
+    fs = _filesystem(grants, mounts)
+    copies = _gather_copies(fs, grants) if files else None
+    reads = HostReads(copies=copies, connects_off=connects, supervised=supervised)
+    if copies is not None:
+        fs = _with_copies(fs, reads, mounts)[0]
+    if mounts or supervised:
+        # The paths the world or the supervisor holds the live sockets against.
+        _, writable = granted_paths(
+            fs, grants.write_roots, grants.process_write_roots, grants.socket_roots
+        )
+        paths = (*fs.read, *fs.write, *writable, *grants.socket_roots)
+        reads = reads._replace(
+            live_sockets=_live_sockets(),
+            real={p: os.path.realpath(p) for p in dict.fromkeys(paths)},
+        )
+    group, group_off = probe_cgroup(budget, max_processes)
+    return reads._replace(
+        cgroup=group,
+        cgroup_off=group_off,
+        connect_filter=connect_filter() if supervised else b"",
+    )
+
+
+def _live_sockets() -> tuple[str, ...]:
+    """The host's bound unix sockets, as real paths; /proc/net/unix lists the sockets of this
+    network namespace."""
     try:
         with open(PROC_NET_UNIX, encoding="utf-8", errors="surrogateescape") as f:
             table = f.read()
     except OSError:
         return ()
     found = [os.path.realpath(p) for p in bound_socket_paths(table)]
-    live = [p for p in dict.fromkeys(found) if _is_socket(p)]
-    grants = {os.path.realpath(p) for p in granted}
-    return sockets_to_hide(live, grants, [os.path.realpath(p) for p in socket_roots])
+    return tuple(p for p in dict.fromkeys(found) if _is_socket(p))
 
 
 def _is_socket(path: str) -> bool:
@@ -409,29 +520,36 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-class CleanCopies(NamedTuple):
-    fs: FsPlan  # the grants with the originals denied (and a copy's include read)
-    files: tuple[tuple[str, str], ...]  # (path, contents) the view holds
-    warnings: list[str]
-    notes: list[str]  # what a copy left out, said like a widened root
+def _gather_copies(fs: FsPlan, g: Grants) -> CleanCopies | None:
+    """The tools' configuration files in view, read and cleaned (confine/clean.py); None when
+    none is in view."""
+    from egressbox.confine import clean
+
+    presets = (
+        *(expand_user(p, g.home) for p in PACKAGE_MANAGER_CONFIG),
+        *clean.SYSTEM_TOOL_CONFIG,
+    )
+    in_view = (*fs.read, *fs.write)
+    entries = [p for p in presets if any(is_under(p, r) for r in in_view) and os.path.lexists(p)]
+    if not entries:
+        return None
+    return clean.gather(entries, home=g.home, deny=fs.deny, passed=g.passed)
 
 
-def clean_copies(fs: FsPlan, home: str, passed: Sequence[str], mounts: bool) -> CleanCopies:
-    """The tools' configuration files in view, as clean copies (confine/clean.py).
+def _with_copies(
+    fs: FsPlan, host: HostReads, mounts: bool
+) -> tuple[FsPlan, tuple[tuple[str, str], ...], list[str], list[str]]:
+    """The grants with the clean copies: (grants, files the view holds, warnings, notes).
 
     Each copy is bound over its original's path (the launcher refuses to start the command
     when one cannot be); an original with no copy joins the deny list (masked in the world).
     Without a mount namespace nothing can be bound: the originals are left out of Landlock's
     rules, so the files are not granted at all, and said so.
     """
-    from egressbox.confine import clean
-
-    presets = (*(expand_user(p, home) for p in PACKAGE_MANAGER_CONFIG), *clean.SYSTEM_TOOL_CONFIG)
+    copies = host.copies
+    if copies is None:
+        return fs, (), [], []
     in_view = (*fs.read, *fs.write)
-    entries = [p for p in presets if any(is_under(p, r) for r in in_view) and os.path.lexists(p)]
-    if not entries:
-        return CleanCopies(fs, (), [], [])
-    copies = clean.gather(entries, home=home, deny=fs.deny, passed=passed)
     warnings = list(copies.notes)
     copied = {p for p, _ in copies.files} if mounts else set()
     fs = fs._replace(
@@ -446,11 +564,11 @@ def clean_copies(fs: FsPlan, home: str, passed: Sequence[str], mounts: bool) -> 
                 f"not granted (a clean copy needs a mount namespace, which this run does not "
                 f"have): {names}; --grant-file PATH passes one as it is"
             )
-        return CleanCopies(fs, (), warnings, [])
+        return fs, (), warnings, []
     # What a copy left out is said like a widened root: before the command, not under --quiet
     # (a credential helper in /etc/gitconfig is common and needs no action).
     notes = [f"granted as a clean copy: {what}" for what in copies.cleaned]
-    return CleanCopies(fs, copies.files, warnings, notes)
+    return fs, copies.files, warnings, notes
 
 
 def probe_cgroup(budget: int | None, max_processes: int | None) -> tuple[CgroupPlan | None, str]:
@@ -472,7 +590,7 @@ def connects_off(chosen: frozenset[Mechanism]) -> str:
 
 
 def connect_filter() -> bytes:
-    """The connect supervisor's seccomp filter for this machine (Request.connect_filter)."""
+    """The connect supervisor's seccomp filter for this machine (Plan's launcher plan)."""
     from egressbox.confine import notify
 
     return notify.program()
@@ -520,12 +638,48 @@ def bind_host_capture() -> socket.socket:
     return sock
 
 
+class SetUp(NamedTuple):
+    """What `set_up` made for a planned run, and the launcher's plan completed with it."""
+
+    launcher: LaunchPlan
+    listeners: list[socket.socket]  # the proxy's, on the host's loopback (no namespace)
+    host_capture: socket.socket | None  # the connect supervisor's capture listener
+
+
+def set_up(plan: Plan, *, staged: StagingSpec | None = None) -> SetUp:
+    """Make on the host what the planned run needs before its launch: without a network
+    namespace the proxy's listeners (and, supervised with capture, the capture listener);
+    `staged` is the staged workspace's layer (made by the caller), which holds the host-trusted
+    paths back at the run's end instead of binding them read-only. On failure nothing made
+    stays open."""
+    launcher = plan.launcher
+    if staged is not None and launcher.world is not None:
+        held = set(plan.trusted)
+        world = launcher.world._replace(
+            read_only=tuple(p for p in launcher.world.read_only if p not in held)
+        )
+        launcher = launcher._replace(world=world, staged=staged)
+    if Mechanism.NETWORK_NAMESPACE in plan.mechanisms:
+        return SetUp(launcher, [], None)
+    listeners = bind_host_listeners()
+    launcher = launcher._replace(host_ports=tuple(s.getsockname()[1] for s in listeners))
+    try:
+        capture = bind_host_capture() if plan.supervised and plan.captures else None
+    except BaseException:
+        for sock in listeners:
+            sock.close()
+        raise
+    return SetUp(launcher, listeners, capture)
+
+
 # The scratch space (TMPDIR, tool caches) of a run: `tmp` and `cache` in a directory of the
 # first writable workspace (made inside the child's view), or made on the host before the fork.
 
 
 def scratch_paths(root: str, name: str) -> Scratch:
     """The scratch space in directory `name` of `root`."""
+    from egressbox.confine.env import Scratch
+
     base = os.path.join(root, name)
     return Scratch(os.path.join(base, "tmp"), os.path.join(base, "cache"))
 
@@ -564,6 +718,8 @@ def private_scratch(owner: tuple[int, int] | None = None) -> Scratch:
     the host's, for this run only (the caller removes its parent at the end)."""
     import tempfile
 
+    from egressbox.confine.env import Scratch
+
     made = tempfile.mkdtemp(prefix="egressbox-scratch-")
     for name in ("tmp", "cache"):
         os.mkdir(os.path.join(made, name), 0o700)
@@ -592,3 +748,151 @@ def _write_ignore(base: int) -> None:
         return
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write("# egressbox scratch space (temp files and caches)\n*\n")
+
+
+# -- the host's facts and the launcher forked ahead of time (runner/facts.py, runner/zygote.py)
+
+
+def probe(names: Sequence[str]) -> list[HostMechanism]:
+    """Probe these mechanisms on this host (confine/probe.py; a child for each namespace)."""
+    from egressbox.confine.probe import probe_mechanisms
+
+    return list(probe_mechanisms(tuple(names)))
+
+
+def compile_seccomp(*, allow_udp: bool) -> bytes:
+    """The command's seccomp filter as a BPF program (b"": the launcher builds it itself)."""
+    from egressbox.confine.seccomp import SeccompOptions, Status, compile_filter
+
+    compiled = compile_filter(SeccompOptions(allow_udp=allow_udp))
+    return compiled.program if compiled.status is Status.FULL else b""
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (a launcher forked ahead of time)."""
+    import signal
+
+    from egressbox.confine import syscalls
+
+    syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def preload_launcher() -> None:
+    """What the launcher imports first (confine/launcher.py _preload), now; a library that
+    fails to load is found again, and reported, by the launcher."""
+    import resource
+
+    from egressbox.confine import caps, capture, landlock, landlock_apply, launcher, world
+
+    del resource, caps, landlock, landlock_apply, launcher, world
+    with contextlib.suppress(capture.CaptureError):
+        capture.load_library()
+
+
+def walk_etc_early() -> None:
+    """The launcher's walk of /etc (the entries only their owner may read), done ahead."""
+    from egressbox.confine import launcher
+
+    launcher.walk_etc_early()
+
+
+def become_launcher(plan: LaunchPlan, chan_fd: int) -> NoReturn:
+    """This process becomes the launcher of `plan` (its channel to the parent: `chan_fd`)."""
+    from egressbox.confine.launcher import launcher_main
+
+    launcher_main(plan, chan_fd)
+
+
+# -- judging a failed run (runner/supervise.py): what its plan meant for paths ----------------
+
+
+def refusal_view(
+    launcher: LaunchPlan,
+    *,
+    homes: tuple[str, ...],
+    caches: tuple[CacheRoot, ...],
+    cache_mode: CacheMode,
+    read_only_workspaces: tuple[str, ...],
+) -> PathPlan:
+    """The filesystem side of the plan the launcher applied, for judging refusals (reads the
+    host: /etc's entries the view covers, the grants' real paths; only after a failed run)."""
+    from egressbox.confine.refusal import PathPlan
+
+    mounts = launcher.has(Mechanism.MOUNT_NAMESPACE)
+    landlock = launcher.has(Mechanism.LANDLOCK_FS)
+    kernel: tuple[str, ...] = ()
+    if mounts and launcher.uid == 0:
+        from egressbox.confine.world import KERNEL_READ_ONLY
+
+        kernel = KERNEL_READ_ONLY
+    deny = launcher.deny if landlock else ()
+    return PathPlan(
+        homes=homes,
+        read=launcher.read,
+        write=launcher.write,
+        # Masks and nested read-only roots are mounts, or (without a mount
+        # namespace) Landlock grants that leave them out.
+        deny=(*launcher.deny, *_etc_hidden()) if mounts else deny,
+        read_only=launcher.read_only_inside_write if mounts or landlock else (),
+        always_read_only=kernel,
+        # The constructed root: nothing of the host exists but the grants.
+        hidden=("/",) if mounts else (),
+        bound_back=_visible(launcher) if mounts else (),
+        landlock_fs=landlock,
+        abstract_isolated=launcher.has(Mechanism.NETWORK_NAMESPACE)
+        or launcher.has(Mechanism.LANDLOCK_SCOPE),
+        caches=caches,
+        cache_mode=cache_mode,
+        cwd=launcher.cwd,
+        read_only_workspaces=read_only_workspaces,
+        seccomp=launcher.has(Mechanism.SECCOMP),
+    )
+
+
+def _etc_hidden() -> list[str]:
+    """The /etc entries the child's view covers (walked again only when a run failed)."""
+    from egressbox.confine.world import unreadable_to_others
+
+    return unreadable_to_others("/etc")
+
+
+def _visible(launcher: LaunchPlan) -> tuple[tuple[str, bool], ...]:
+    """What exists in the child's view, and whether it may be written there."""
+    from egressbox.confine.world import CONSTRUCTED
+
+    # The private /tmp, /var/tmp and /run are not the host's: a host path there is absent.
+    grants = launcher.world.grants if launcher.world is not None else ()
+    made = tuple((p, p not in ("/proc", "/sys")) for p in CONSTRUCTED)
+    return (*made, *((os.path.realpath(p), w) for p, w in grants))
+
+
+def judge_output(
+    text: str, view: PathPlan, lookup: Callable[[str], HostPath], proxy: str = ""
+) -> RefusalRecord | None:
+    """Which boundary the command's error output shows refused it (confine/refusal.py): a
+    path refused outside the grants, a namespace refused by the seccomp filter, or (`proxy`:
+    a private network namespace, where the proxy is all there is) a connection made without
+    the proxy; None when it shows none."""
+    from egressbox.confine.refusal import classify_direct, classify_namespace, classify_output
+
+    found = classify_output(text, view, lookup) or classify_namespace(text, view)
+    if found is None and proxy:
+        found = classify_direct(text, proxy)
+    return found
+
+
+def seccomp_refusal(
+    kernel_log: Sequence[str], *, since: float, uid: int, name: Callable[[SeccompKill], str]
+) -> RefusalRecord:
+    """The record of a command killed by SIGSYS, naming the call from the kernel's audit
+    record of the kill when `kernel_log` holds one."""
+    from egressbox.confine.refusal import seccomp_kills, seccomp_record
+
+    return seccomp_record(seccomp_kills(kernel_log, since=since, uid=uid), name)
+
+
+def with_requirement(record: RefusalRecord, profile: str) -> RefusalRecord:
+    """A refusal record with Harn's `requirement` and `selector_honored` for `profile`."""
+    from egressbox.confine import refusal
+
+    return refusal.with_requirement(record, profile)

@@ -272,81 +272,55 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
         *_trusted_paths(options, layout.writable, roots.process_write, home),
         *layout.protect,
     )
-    fs = face.filesystem(
+    grants = face.Grants(
         home=home,
         write_roots=layout.writable,
         read_roots=(*roots.read, *layout.readable, *_outside(passed, layout.writable)),
-        executables=executable.grants,
-        presets=options.presets,
+        executables=tuple(executable.grants),
+        presets=tuple(options.presets),
         deny=deny,
         protected_files=trusted,
         process_read_roots=roots.process_read,
         process_write_roots=roots.process_write,
-        mounts=Mechanism.MOUNT_NAMESPACE in chosen,
-        host_scratch=start.cleanup if layout.read_only else (),
+        socket_roots=roots.sockets,
+        host_scratch=tuple(start.cleanup) if layout.read_only else (),
+        passed=passed,
     )
-    warnings += _denied_roots(roots, fs)
-    _refuse_own_state(fs.write, chosen, files=files, own=_own_files(options, home))
-    copies: tuple[tuple[str, str], ...] = ()
-    notes: list[str] = []
-    if files:
-        clean = face.clean_copies(fs, home, passed, Mechanism.MOUNT_NAMESPACE in chosen)
-        fs, copies = clean.fs, clean.files
-        warnings += clean.warnings
-        notes += clean.notes
-    if files:
-        env[ENV_ROOTS] = roots_variable(fs, roots.sockets)
-    if roots.sockets and files and Mechanism.LANDLOCK_FS not in chosen:
-        warnings.append(
-            "unix socket roots admit connect only here: a bind there needs Landlock's "
-            "filesystem rules, which keep their other files read-only"
-        )
-    capture_off = _capture_off(options, chosen, facts)
-    listeners = [] if Mechanism.NETWORK_NAMESPACE in chosen else face.bind_host_listeners()
-    supervised = Mechanism.NETWORK_NAMESPACE not in chosen and not face.connects_off(chosen)
-    host_capture: socket.socket | None = None
+    # One memory figure for the run: a cgroup where the host delegates one; the private file
+    # systems' sizes fit in it either way (confine/grants.py tmpfs_sizes).
+    budget = options.max_memory or _half_the_memory()
+    host = face.read_host(grants, chosen, budget=budget, max_processes=options.max_processes)
+    capture_off = _capture_off(options, chosen, facts, host.connects_off)
+    planned = face.plan(
+        _request(options, start, env, templates, grants, host, capture_off, budget), facts
+    )
+    warnings += _denied_roots(roots, planned.fs)
+    warnings += planned.warnings
+    _refuse_own_state(planned.fs.write, chosen, files=files, own=_own_files(options, home))
+    made: face.SetUp | None = None
     staged = _Staged(None, DIRECT, "")
     try:
         staged = _stage(options, start, roots, warnings)
-        plan = _launch_plan(
-            options,
-            chosen,
-            facts=facts,
-            profile=profile,
-            executable=executable,
-            env=start.brokering.child_env(env) if start.brokering else env,
-            templates=templates,
-            fs=fs,
-            roots=roots,
-            scratch=scratch,
-            listeners=listeners,
-            capture_off=capture_off,
-            copies=(*copies, *start.brokering.files()) if start.brokering else copies,
-            staged=staged,
-            trusted=trusted,
-            supervised=supervised,
-        )
-        if supervised:
-            plan = _unix_grants(plan, roots.sockets)
-        if supervised and not capture_off:
-            host_capture = face.bind_host_capture()
+        stage = staged.stage
+        made = face.set_up(planned, staged=stage.layer.spec(staged.direct) if stage else None)
         return _finish(
             options,
             start,
-            plan,
+            made.launcher,
             staged,
             roots=roots,
             trusted=trusted,
             caches=caches,
             capture_off=capture_off,
-            listeners=listeners,
+            listeners=made.listeners,
             env=env,
-            notes=notes,
-            host_capture=host_capture,
+            notes=list(planned.notes),
+            host_capture=made.host_capture,
         )
     except BaseException:
-        if host_capture is not None:
-            host_capture.close()
+        if made is not None:
+            for sock in (*made.listeners, *([made.host_capture] if made.host_capture else [])):
+                sock.close()
         abandon(staged.stage)
         raise
 
@@ -368,22 +342,6 @@ def _brokering(options: RunOptions, mounts: bool, warnings: list[str]) -> RunBro
             "the hosts a [[secret]] or [[request_rule]] names will fail verification"
         )
     return brokering
-
-
-# -- the connect supervisor (no network namespace; confine/notify.py, runner/notify.py) ----
-
-
-def _unix_grants(plan: LaunchPlan, socket_roots: Sequence[str]) -> LaunchPlan:
-    """Where the supervisor may connect a unix socket path for the command."""
-    if plan.world is not None or not plan.has(Mechanism.LANDLOCK_FS):
-        return plan  # a constructed view holds only grants; no filesystem rules: every path
-    # The host's view: Landlock does not cover connect(2) to a pathname socket, so the
-    # supervisor admits one only where the world would have it (the write roots and the
-    # socket roots), and not to a host socket already live under a write root.
-    sockets = tuple(os.path.realpath(p) for p in socket_roots)
-    write = tuple(os.path.realpath(p) for p in plan.write)
-    hidden = face.live_sockets(write, sockets)
-    return plan._replace(unix_roots=(*write, *sockets), unix_hidden=hidden)
 
 
 def _finish(
@@ -634,15 +592,6 @@ def _outside_parent(path: str, access: str, granted: Sequence[str]) -> str:
 _PARENT_ROOTS_SHOWN = 6
 
 
-def roots_variable(fs: FsPlan, sockets: Sequence[str]) -> str:
-    """EGRESSBOX_ROOTS for the command: what this run grants, for a run nested in it."""
-    import json
-
-    write = list(dict.fromkeys(fs.write))
-    read = [p for p in dict.fromkeys((*fs.read, *sockets)) if p not in fs.deny]
-    return json.dumps({"write": write, "read": read}, separators=(",", ":"))
-
-
 def _environment(
     options: RunOptions,
     base: Mapping[str, str],
@@ -705,77 +654,52 @@ def _denied_roots(roots: _Roots, fs: FsPlan) -> list[str]:
     ]
 
 
-def _launch_plan(
+def _request(  # noqa: PLR0917 (the run's parts, each read once before)
     options: RunOptions,
-    chosen: frozenset[Mechanism],
-    *,
-    facts: HostFacts,
-    profile: Profile,
-    executable: Executable,
+    start: _Start,
     env: dict[str, str],
     templates: dict[str, str],
-    fs: FsPlan,
-    roots: _Roots,
-    scratch: Scratch | None,
-    listeners: Sequence[socket.socket],
+    grants: face.Grants,
+    host: face.HostReads,
     capture_off: str,
-    copies: tuple[tuple[str, str], ...] = (),
-    staged: _Staged | None = None,
-    trusted: tuple[str, ...] = (),
-    supervised: bool = False,
-) -> LaunchPlan:
-    """The run's request to confinement, with what it reads of the host, then its plan."""
-    mounts = Mechanism.MOUNT_NAMESPACE in chosen
-    socket_roots = roots.sockets
-    workspaces, process_write = roots.layout.writable, roots.process_write
-    readable, writable = face.granted_paths(fs, workspaces, process_write, socket_roots)
-    hidden = face.live_sockets((*readable, *writable), socket_roots) if mounts else ()
-    # One memory figure for the run: a cgroup where the host delegates one; the private file
-    # systems' sizes fit in it either way (confine/grants.py tmpfs_sizes).
-    budget = options.max_memory or _half_the_memory()
-    group, group_off = face.probe_cgroup(budget, options.max_processes)
+    budget: int | None,
+) -> face.Request:
+    """The run's request to confinement, with what was read of the host for it."""
+    chosen, layout = start.chosen, start.layout
     capture = not capture_off
     # Supervised, UDP is refused (no namespace): the main filter's plain variant.
     program = b""
     if Mechanism.SECCOMP in chosen:
-        program = _compiled_seccomp(allow_udp=capture and not supervised)
-    stage = staged.stage if staged is not None else None
-    request = face.Request(
+        program = _compiled_seccomp(allow_udp=capture and not host.supervised)
+    brokering = start.brokering
+    return face.Request(
         argv=options.argv,
-        executable=executable.path,
+        executable=start.executable.path,
         cwd=os.path.realpath(options.cwd or os.getcwd()),
-        env=env,
+        env=brokering.child_env(env) if brokering else env,
         env_ports=templates,
         mechanisms=chosen,
-        profile=profile,
-        fs=fs,
-        workspaces=workspaces,
-        process_write=process_write,
-        socket_roots=socket_roots,
-        read_only_scratch=READ_ONLY_SCRATCH if roots.layout.read_only else "",
-        scratch=scratch,
-        hidden_sockets=hidden,
+        profile=start.profile,
+        grants=grants,
+        host=host,
+        read_only_scratch=READ_ONLY_SCRATCH if layout.read_only else "",
+        scratch=start.scratch,
         allow_loopback=options.allow_loopback,
         pass_fds=options.pass_fds,
         rlimit_nofile=options.rlimit_nofile,
         rlimit_as=options.rlimit_as,
         max_processes=options.max_processes,
         memory=budget,
-        cgroup=group,
-        cgroup_off=group_off,
-        host_ports=tuple(s.getsockname()[1] for s in listeners),
         uid=os.getuid(),
         gid=os.getgid(),
         parent_pid=os.getpid(),
         capture=capture,
-        copies=copies,
-        staged=stage.layer.spec(staged.direct) if stage is not None and staged else None,
-        trusted=trusted,
+        copies=brokering.files() if brokering else (),
+        trusted=grants.protected_files,
         seccomp_program=program,
-        connect_filter=face.connect_filter() if supervised else b"",
         run_as=account.ids if (account := _account(options)) is not None else None,
+        roots_variable=ENV_ROOTS,
     )
-    return face.plan(request, facts)
 
 
 def _refuse_unconfinable(options: RunOptions, chosen: frozenset[Mechanism]) -> list[str]:
@@ -957,12 +881,15 @@ def _announcements(options: RunOptions, roots: _Roots, files: bool, home: str) -
 CAPTURE_HOST_FACT = "capture"  # confine.probe's mechanism name
 
 
-def _capture_off(options: RunOptions, chosen: frozenset[Mechanism], facts: HostFacts) -> str:
-    """Why this run does not capture, or "" when it does (never a refusal)."""
+def _capture_off(
+    options: RunOptions, chosen: frozenset[Mechanism], facts: HostFacts, connects_off: str
+) -> str:
+    """Why this run does not capture, or "" when it does (never a refusal); `connects_off`
+    is why the connects cannot be supervised (face.read_host)."""
     if not options.capture:
         return "turned off (--no-capture)"
     if Mechanism.NETWORK_NAMESPACE not in chosen:
-        why = face.connects_off(chosen)
+        why = connects_off
         if why:
             return f"needs a network namespace or the connect supervisor ({why})"
         return ""

@@ -106,9 +106,9 @@ def _doubted(facts: HostFacts) -> tuple[str, ...]:
 
 
 def _probed(names: tuple[str, ...], known: HostFacts) -> HostFacts:
-    from egressbox.confine.probe import probe_mechanisms
+    from egressbox.confine import face
 
-    return _merged(known, probe_mechanisms(names))
+    return _merged(known, face.probe(names))
 
 
 def _merged(known: HostFacts, fresh: Iterable[Mechanism]) -> HostFacts:
@@ -305,12 +305,12 @@ def _compiled_seccomp(allow_udp: bool = False) -> bytes:
         data = json.loads(cache.read(path) or b"{}")
         if data.get("status") == "full" and data.get("key") == key:
             return bytes.fromhex(data["program"])
-    from egressbox.confine.seccomp import SeccompOptions, Status, compile_filter
+    from egressbox.confine import face
 
-    compiled = compile_filter(SeccompOptions(allow_udp=allow_udp))
-    if compiled.status is not Status.FULL:
+    program = face.compile_seccomp(allow_udp=allow_udp)
+    if not program:
         return b""
-    stored = {"status": "full", "key": key, "program": compiled.program.hex()}
+    stored = {"status": "full", "key": key, "program": program.hex()}
     cache.write(path, json.dumps(stored).encode())
     cache.prune(variant + "-", MAX_PROBES)
-    return compiled.program
+    return program

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from egressbox.confine.grants import (
     Mechanism,
 )
-from egressbox.confine.launcher import LaunchPlan
 from egressbox.core.exitcodes import EXIT_TAMPERED, EXIT_TIMEOUT
 from egressbox.runner.assemble import Prepared
 from egressbox.runner.gate import finish
@@ -382,14 +381,8 @@ def classify_refusal(
     without the proxy. A command that failed for its own reasons (`false`, a failing test
     suite, a missing file the host lacks too, SIGINT) gets no record.
     """
-    from egressbox.confine.refusal import (
-        SOURCE_AUDIT,
-        Boundary,
-        RefusalRecord,
-        classify_direct,
-        classify_namespace,
-        classify_output,
-    )
+    from egressbox.confine import face
+    from egressbox.confine.refusal import SOURCE_AUDIT, Boundary, RefusalRecord
 
     denied = [r for r in records if r.decision.value == "deny"]
     if denied:
@@ -399,62 +392,20 @@ def classify_refusal(
     if not stderr or plan is None:
         return None
     text = stderr.decode("utf-8", "replace")
-    found = classify_output(text, plan, lookup or host_path) or classify_namespace(text, plan)
-    if found is None and proxy:  # a private network namespace: the proxy is all there is
-        found = classify_direct(text, proxy)
-    return found
+    return face.judge_output(text, plan, lookup or host_path, proxy)
 
 
 def path_plan(prepared: Prepared) -> PathPlan:
     """The filesystem side of the plan the launcher applied, for judging refusals."""
-    from egressbox.confine.refusal import PathPlan
+    from egressbox.confine import face
 
-    plan = prepared.plan
-    mounts = plan.has(Mechanism.MOUNT_NAMESPACE)
-    landlock = plan.has(Mechanism.LANDLOCK_FS)
-    kernel: tuple[str, ...] = ()
-    if mounts and plan.uid == 0:
-        from egressbox.confine.world import KERNEL_READ_ONLY
-
-        kernel = KERNEL_READ_ONLY
-    return PathPlan(
+    return face.refusal_view(
+        prepared.plan,
         homes=prepared.homes,
-        read=plan.read,
-        write=plan.write,
-        # Masks and nested read-only roots are mounts, or (without a mount
-        # namespace) Landlock grants that leave them out.
-        deny=(*plan.deny, *_etc_hidden()) if mounts else plan.deny if landlock else (),
-        read_only=plan.read_only_inside_write if mounts or landlock else (),
-        always_read_only=kernel,
-        # The constructed root: nothing of the host exists but the grants.
-        hidden=("/",) if mounts else (),
-        bound_back=_visible(plan) if mounts else (),
-        landlock_fs=landlock,
-        abstract_isolated=plan.has(Mechanism.NETWORK_NAMESPACE)
-        or plan.has(Mechanism.LANDLOCK_SCOPE),
         caches=prepared.caches,
         cache_mode=prepared.cache_mode,
-        cwd=plan.cwd,
         read_only_workspaces=prepared.read_only_workspaces,
-        seccomp=plan.has(Mechanism.SECCOMP),
     )
-
-
-def _etc_hidden() -> list[str]:
-    """The /etc entries the child's view covers (walked again only when a run failed)."""
-    from egressbox.confine.world import unreadable_to_others
-
-    return unreadable_to_others("/etc")
-
-
-def _visible(plan: LaunchPlan) -> tuple[tuple[str, bool], ...]:
-    """What exists in the child's view, and whether it may be written there."""
-    from egressbox.confine.world import CONSTRUCTED
-
-    # The private /tmp, /var/tmp and /run are not the host's: a host path there is absent.
-    grants = plan.world.grants if plan.world is not None else ()
-    made = tuple((p, p not in ("/proc", "/sys")) for p in CONSTRUCTED)
-    return (*made, *((os.path.realpath(p), w) for p, w in grants))
 
 
 def host_path(path: str) -> HostPath:
@@ -572,7 +523,8 @@ def _refusal(
 ) -> RefusalRecord | None:
     """The record of a failed run, with Harn's requirement and selector fields; None when
     nothing shows a boundary refused it (the exit status says the rest)."""
-    from egressbox.confine.refusal import Boundary, RefusalRecord, with_requirement
+    from egressbox.confine import face
+    from egressbox.confine.refusal import Boundary, RefusalRecord
 
     if code == EXIT_SIGSYS:
         record: RefusalRecord | None = seccomp_refusal(prepared.started)
@@ -587,7 +539,7 @@ def _refusal(
             "overrides it), it names a boundary if one refused the command"
         )
         record = RefusalRecord(Boundary.UNKNOWN, hint=hint)
-    return with_requirement(record, prepared.profile.value) if record is not None else None
+    return face.with_requirement(record, prepared.profile.value) if record is not None else None
 
 
 # A command (or the shell that ran it) that died from SIGSYS, as `run` reports it.
@@ -602,10 +554,10 @@ KMSG_SLACK = 1.0
 def seccomp_refusal(started: float) -> RefusalRecord:
     """A seccomp record for a command killed by SIGSYS, naming the call when the kernel's
     audit record of the kill can be read (/dev/kmsg: root, or dmesg_restrict=0)."""
-    from egressbox.confine.refusal import seccomp_kills, seccomp_record
+    from egressbox.confine import face
 
-    kills = seccomp_kills(_kernel_log(), since=started - KMSG_SLACK, uid=os.getuid())
-    return seccomp_record(kills, _syscall_name)
+    since = started - KMSG_SLACK
+    return face.seccomp_refusal(_kernel_log(), since=since, uid=os.getuid(), name=_syscall_name)
 
 
 def _kernel_log() -> list[str]:

@@ -58,14 +58,15 @@ class Zygote:
 def start() -> None:
     """Fork the zygote now (at most one waits at a time).
 
-    The launcher module (with the plan's types and sockets) is imported first:
-    both sides need it, so it is imported once, before the fork.
+    Confinement's face (and through it the launcher's module, with the plan's types and
+    sockets) is imported first: both sides need it (the parent plans through it, the child
+    becomes the launcher through it), so it is imported once, before the fork.
     """
     if _pending:
         return
-    from egressbox.confine import launcher
+    from egressbox.confine import face
 
-    del launcher
+    del face
     parent_chan, child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
     try:
@@ -131,18 +132,18 @@ def _main(chan: socket.socket, parent: int) -> NoReturn:
         if received is not None:  # None: the parent closed our channel (or died)
             plan, launcher_chan = received
             chan.close()
-            from egressbox.confine.launcher import launcher_main
+            from egressbox.confine import face
 
-            launcher_main(plan, launcher_chan)
+            face.become_launcher(plan, launcher_chan)
     finally:
         os._exit(EXIT_NO_PLAN)
 
 
 def _die_with(parent: int) -> None:
     """SIGKILL this process when `egressbox run` dies (checked again: it may be gone)."""
-    from egressbox.confine import syscalls
+    from egressbox.confine import face
 
-    syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
+    face.die_with_parent()
     if os.getppid() != parent:
         os._exit(EXIT_NO_PLAN)
 
@@ -150,13 +151,9 @@ def _die_with(parent: int) -> None:
 def _preload() -> None:
     """What the launcher imports first (confine/launcher.py _preload), now, while the parent
     plans; the launcher imports whatever this misses itself."""
-    import resource
+    from egressbox.confine import face
 
-    from egressbox.confine import caps, capture, landlock, landlock_apply, launcher, world
-
-    del resource, caps, landlock, landlock_apply, launcher, world
-    with contextlib.suppress(capture.CaptureError):
-        capture.load_library()  # a failure is found again, and reported, by the launcher
+    face.preload_launcher()  # a failure is found again, and reported, by the launcher
 
 
 def _walk_etc_while_waiting(chan: socket.socket) -> None:
@@ -167,9 +164,9 @@ def _walk_etc_while_waiting(chan: socket.socket) -> None:
 
     if select.select([chan], [], [], 0)[0]:
         return  # the plan is here: the launcher walks /etc itself when it needs to
-    from egressbox.confine import launcher
+    from egressbox.confine import face
 
-    launcher.walk_etc_early()
+    face.walk_etc_early()
 
 
 def _receive(chan: socket.socket) -> tuple[LaunchPlan, int] | None:
