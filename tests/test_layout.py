@@ -269,8 +269,10 @@ def test_the_compiled_modules_are_the_ones_built() -> None:
         "    module = importlib.import_module(name)\n"
         "    if not (module.__file__ or '').endswith('.py'): print(name)\n"
     )
+    # egressbox.__main__ runs the command line when imported: never compiled, never imported.
+    names = sorted(name for name in _modules() if name != "egressbox.__main__")
     done = subprocess.run(
-        [sys.executable, "-c", code, *sorted(_modules())],
+        [sys.executable, "-c", code, *names],
         check=True,
         capture_output=True,
         text=True,
