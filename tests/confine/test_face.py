@@ -214,7 +214,6 @@ RESULTS = frozenset(
         "MISSING",
         "PRIVATE_TMPFS",
         "PORT_TEMPLATES",
-        "STATE_ENV",
         # pure helpers on the vocabulary: a path under a root, ~ expanded, a profile's parts
         "is_under",
         "expand_user",
@@ -233,14 +232,11 @@ RESULTS = frozenset(
 STILL_BYPASSING = {
     "assemble": {"child_environment", "held_back", "proxy_variables", "plan_caches",
                  "resolve_command", "report_row"},
-    "facts": {"directory", "path", "prune", "read", "remove", "write"},
-    "layers": {"apply_tree", "directory", "list_tree", "remove_journal_temp"},
+    "layers": {"apply_tree", "list_tree", "remove_journal_temp"},
     "notify": {"IOCTL_NOTIF_ID_VALID", "IOCTL_NOTIF_RECV", "IOCTL_NOTIF_SEND", "NOTIF",
                "NOTIF_RESP", "RESOLVE_NO_MAGICLINKS", "openat2", "pidfd_getfd",
                "read_memory", "recv_message"},
-    "project": {"path", "read", "write"},
     "spawn": {"namespace_inode", "own_namespace_inode", "recv_message"},
-    "verify": {"directory"},
 }  # fmt: skip
 
 

@@ -991,7 +991,7 @@ def _refuse_own_state(
     files: bool,
     own: Sequence[str] = (),
 ) -> None:
-    """egressbox's state directory (confine/cache.py: the host probe, the seccomp program,
+    """egressbox's state directory (runner/own_state.py: the host probe, the seccomp program,
     trusted policies) is never writable in a child's view: a command that rewrote it would
     steer the next run. Nor may the path to one of egressbox's own files (`own`: policy,
     audit log, --save-approved's output) lead through a symbolic link inside a writable root:
@@ -999,7 +999,7 @@ def _refuse_own_state(
     filesystem confinement the child may write whatever the invoker may; nothing to refuse."""
     if not files:
         return
-    from egressbox.confine.cache import STATE_ENV
+    from egressbox.runner.own_state import STATE_ENV
 
     # With a mount namespace /tmp and /var/tmp are the child's own, not the host's.
     private = face.private_paths(Mechanism.MOUNT_NAMESPACE in chosen)
