@@ -386,6 +386,19 @@ def launch(
     return Launched(pid, parent_chan, report_r)
 
 
+def launcher_word(chan: socket.socket) -> tuple[dict[str, object], list[int]]:
+    """The launcher's next message on `chan` (Launched.chan) and the descriptors it sent with
+    it (its listeners); ({}, []) when it closed its end."""
+    return netns.recv_message(chan)
+
+
+def on_host_network(sockets: Sequence[socket.socket]) -> bool:
+    """Whether any of these sockets lives in this process's network namespace (the launcher's
+    listeners must not: the command's namespace is private)."""
+    own = netns.own_namespace_inode()
+    return any(netns.namespace_inode(s) == own for s in sockets)
+
+
 def _launcher(  # noqa: PLR0917 (the launch's own ends, in the child)
     plan: LaunchPlan,
     parent_chan: socket.socket,
