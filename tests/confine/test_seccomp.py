@@ -1240,14 +1240,14 @@ def test_udp_variant_changes_only_the_inet_groups() -> None:
 def test_compiled_program_is_cached_and_enforces(tmp_path: Path) -> None:
     # `egressbox run` loads the filter as a cached BPF program (no pyseccomp
     # import in the launcher): the cache round-trips and the program enforces.
-    from egressbox.confine import cache
     from egressbox.confine.seccomp import compile_filter, load_program
+    from egressbox.runner import own_state
 
     first = compile_filter()
     assert first.program and first.status is Status.FULL
     stored = str(tmp_path / "cache" / "program")
-    cache.write(stored, first.program)
-    assert cache.read(stored) == first.program
+    own_state.write(stored, first.program)
+    assert own_state.read(stored) == first.program
 
     def probe() -> object:
         load_program(first.program)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.confine import cache, capture, grants, probe
+from egressbox.confine import capture, grants, probe
 from egressbox.confine.grants import HostFacts
-from egressbox.runner import facts
+from egressbox.runner import facts, own_state
 
 CHILD_TIMEOUT = 60
 
@@ -22,7 +22,7 @@ CHILD_TIMEOUT = 60
 @pytest.fixture(autouse=True)
 def state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     place = tmp_path / "state"
-    monkeypatch.setenv(cache.STATE_ENV, str(place))
+    monkeypatch.setenv(own_state.STATE_ENV, str(place))
     return place
 
 
@@ -102,7 +102,7 @@ def test_a_library_installed_after_the_probe_is_seen_and_doctor_agrees(
     everything = frozenset(facts.MECHANISMS) - {"capture"}
     _forge(before, everything, abi=facts.PLANNED_ABI)
     monkeypatch.undo()
-    monkeypatch.setenv(cache.STATE_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv(own_state.STATE_ENV, str(tmp_path / "state"))
     now = facts.probe_key()
     assert now is not None and now != before and now[capture.LIBRARY] != "-"
     got = facts.host_facts()
@@ -165,7 +165,7 @@ def test_a_process_under_a_seccomp_filter_does_not_believe_the_hosts_probe(state
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT,
-        env={**os.environ, cache.STATE_ENV: str(state)},
+        env={**os.environ, own_state.STATE_ENV: str(state)},
         check=False,
     )
     assert done.returncode == 0, done.stderr

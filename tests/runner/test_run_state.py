@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from egressbox.confine.cache import STATE_ENV
+from egressbox.runner.own_state import STATE_ENV
 from unprivileged import BASE_DIR, Actor
 
 RUN_TIMEOUT = 120

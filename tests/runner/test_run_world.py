@@ -143,7 +143,7 @@ def test_metadata_of_files_outside_the_write_roots_never_changes(
 def test_egressbox_caches_stay_the_hosts(world: World) -> None:
     # The workspace is HOME; egressbox's state (the probe cache) lives where no plan grants:
     # /var/lib/egressbox for root, the test user's own state directory otherwise
-    # (confine/cache.py). The child aims at it by its real path.
+    # (runner/own_state.py). The child aims at it by its real path.
     first = world.egressbox("--", "true")
     assert first.returncode == 0, _explain(first)
     cache = world.actor.state_dir() if world.actor.runuser else Path("/var/lib/egressbox")

@@ -1,11 +1,12 @@
 """Confinement of child processes: host probing, Landlock, seccomp and namespaces.
 
-Its face (confine/face.py): `confine.plan(request, facts) -> Plan`, pure, and
-`confine.launch(plan) -> Launched`, with the Request the caller builds from what
-`confine.read_host` read of the host; `confine.set_up` makes on the host what a planned run
-needs before its launch (the proxy's listeners without a network namespace). The plan's
-vocabulary and tables (profiles, mechanisms, refusals, presets, the world's spec) are
-confine/grants.py.
+Its face (confine/face.py): `confine.plan(request, facts) -> Plan`, pure (the profile's
+mechanisms on this host and its refusals), `confine.finish(plan, run) -> Confinement`, pure
+(the grants, the world and the walls, from the Run the caller builds on the Plan with what
+`confine.read_host` read of the host), and `confine.launch(plan) -> Launched`;
+`confine.set_up` makes on the host what a planned run needs before its launch (the proxy's
+listeners without a network namespace). The plan's vocabulary and tables (profiles,
+mechanisms, refusals, presets, the world's spec) are confine/grants.py.
 
 Irreversible steps (restrict_self, loading a seccomp filter, unshare) only ever run in a child
 process.
@@ -17,11 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from egressbox.confine.face import (
+        Confinement,
         Grants,
         HostReads,
         Launched,
         Plan,
         Request,
+        Run,
+        finish,
         launch,
         plan,
         read_host,
@@ -29,11 +33,14 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "Confinement",
     "Grants",
     "HostReads",
     "Launched",
     "Plan",
     "Request",
+    "Run",
+    "finish",
     "launch",
     "plan",
     "read_host",

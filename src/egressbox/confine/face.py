@@ -1,18 +1,20 @@
 """Confinement's one face: plan(request, facts) -> Plan, pure, and launch(plan) -> Launched.
 
-`plan` decides everything of the child's confinement from a Request: the filesystem grants
-(asked for as `Grants`, narrowed to what holds without a mount namespace, with the tools'
-configuration files as clean copies), the world, the walls the launcher applies, and what the
-caller is told (warnings, notes). It reads and changes nothing: what it needs of the host is in
-the Request already, read by `read_host` (the live unix sockets, real paths, the clean copies'
-sources, the cgroup, whether connects can be supervised). `set_up` makes what the launch needs
-on the host after planning (the proxy's listeners on the host's loopback without a network
-namespace, the connect supervisor's capture listener) and completes the launcher's plan with
-it and the staged workspace's layer. `launch` forks the launcher (confine/launcher.py) with it.
+`plan` decides which mechanisms the Request's profile gets on this host, and its refusals: the
+caller's own inputs (its layout, the scratch space, the environment) depend on them, so they
+come first. `finish` (pure too) decides the rest of the child's confinement from the Plan and
+the Run the caller built on it: the filesystem grants (asked for as `Grants`, narrowed to what
+holds without a mount namespace, with the tools' configuration files as clean copies), the
+world, the walls the launcher applies, and what the caller is told (warnings, notes). Neither
+reads nor changes anything: what `finish` needs of the host is in the Run already, read by
+`read_host` (the live unix sockets, real paths, the clean copies' sources, the cgroup, whether
+connects can be supervised). `set_up` makes what the launch needs on the host after planning
+(the proxy's listeners on the host's loopback without a network namespace, the connect
+supervisor's capture listener) and completes the launcher's plan with it and the staged
+workspace's layer. `launch` forks the launcher (confine/launcher.py) with it.
 
-Before the Request, `choose` gives the profile's mechanisms on this host and its refusals: the
-caller's own inputs (its layout, the scratch space, the environment) depend on them. The
-scratch space itself is made by named set-up steps (`make_scratch`, `private_scratch`).
+The mechanisms are chosen once, here: `finish` takes them from the Plan, never from the caller.
+The scratch space itself is made by named set-up steps (`make_scratch`, `private_scratch`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from egressbox.confine.grants import (
     bound_socket_paths,
     choose_mechanisms,
     expand_user,
-    host_has,
     is_under,
     plan_filesystem,
     socket_bind_roots,
@@ -86,7 +87,7 @@ class Grants(NamedTuple):
 
 
 class HostReads(NamedTuple):
-    """What `read_host` read of the host for a Request (nothing is made)."""
+    """What `read_host` read of the host for a Run (nothing is made)."""
 
     # The host's live bound unix sockets (real paths) of this network namespace: read when
     # the world covers them (a mount namespace) or the connect supervisor admits unix paths.
@@ -103,15 +104,46 @@ class HostReads(NamedTuple):
 
 
 class Request(NamedTuple):
-    """What a confined command is to get, with what was read of the host for it."""
+    """What a run asks of confinement before anything else: its profile and how a best-effort
+    profile falls back where the host lacks a mechanism."""
+
+    profile: Profile
+    # EGRESSBOX_SANDBOX, for profile worktree only: "off" applies the network boundary alone,
+    # "warn" runs without what the host lacks and says so, "enforce" refuses instead.
+    sandbox: str = "warn"
+
+
+class Plan(NamedTuple):
+    """The mechanisms the Request's profile gets on this host, decided (`plan`)."""
+
+    profile: Profile
+    mechanisms: frozenset[Mechanism]  # chosen and on this host
+    # Required mechanisms the host lacks: the command must not start (exit 126).
+    refusals: tuple[Refusal, ...]
+    # What a best-effort profile runs without (said, not refused): worktree's gaps.
+    gaps: tuple[Mechanism, ...]
+    lacking: frozenset[Mechanism]  # everything the profile wants and the host lacks
+    files_off: bool  # the network boundary alone (unrestricted, or worktree with sandbox off)
+
+    @property
+    def mounts(self) -> bool:
+        """A mount namespace: the child's world is constructed."""
+        return Mechanism.MOUNT_NAMESPACE in self.mechanisms
+
+    @property
+    def files(self) -> bool:
+        """Filesystem rules of some kind (the constructed world, or Landlock's rules)."""
+        return self.mounts or Mechanism.LANDLOCK_FS in self.mechanisms
+
+
+class Run(NamedTuple):
+    """What a confined command is to get under a Plan, with what was read of the host for it."""
 
     argv: tuple[str, ...]
     executable: str  # the command resolved on the child's PATH
     cwd: str  # real path
     env: dict[str, str]
     env_ports: Mapping[str, str]  # NAME -> template with {http}/{socks}
-    mechanisms: frozenset[Mechanism]  # chosen for the profile on this host (`choose`)
-    profile: Profile
     grants: Grants
     host: HostReads
     read_only_scratch: str  # a read-only workspace's scratch ("": a writable workspace)
@@ -137,8 +169,8 @@ class Request(NamedTuple):
     roots_variable: str = ""
 
 
-class Plan(NamedTuple):
-    """A run's whole confinement, decided (`plan`)."""
+class Confinement(NamedTuple):
+    """A run's whole confinement, decided (`finish`)."""
 
     launcher: LaunchPlan  # what the launcher applies (completed by `set_up`)
     mechanisms: frozenset[Mechanism]  # planned: chosen and on this host
@@ -147,7 +179,7 @@ class Plan(NamedTuple):
     notes: tuple[str, ...]  # what a clean copy left out, said like a widened root
     supervised: bool  # no network namespace: the connect supervisor holds the connects
     captures: bool  # asked to capture (in the launcher, or through the supervisor)
-    trusted: tuple[str, ...] = ()  # what a staged layer holds back (Request.trusted)
+    trusted: tuple[str, ...] = ()  # what a staged layer holds back (Run.trusted)
 
 
 def granted_paths(
@@ -164,10 +196,39 @@ def granted_paths(
 
 
 def plan(request: Request, facts: HostFacts) -> Plan:
-    """The run's confinement: its grants, its world and its walls (pure). A mechanism the
-    host lacks (facts) is never planned."""
-    r = request
-    chosen = frozenset(m for m in r.mechanisms if host_has(facts, m))
+    """The mechanisms this host gives the request's profile, and its refusals (pure). A
+    mechanism the host lacks (facts) is never planned.
+
+    worktree is best effort: a missing mechanism is a gap, or a refusal when the request's
+    `sandbox` is "enforce"; "off" gives it what unrestricted gets (the network boundary
+    alone). os_hardened requires every mechanism."""
+    profile = request.profile
+    files_off = profile is Profile.UNRESTRICTED or (
+        profile is Profile.WORKTREE and request.sandbox == "off"
+    )
+    chosen, refusals = choose_mechanisms(Profile.UNRESTRICTED if files_off else profile, facts)
+    lacking = wanted(profile) - chosen
+    missing = () if files_off or profile is not Profile.WORKTREE else tuple(sorted(lacking))
+    if request.sandbox == "enforce" and missing:
+        refusals += [
+            Refusal(
+                m,
+                facts.status.get(HOST_NEEDS[m], "absent_on_host"),
+                profile,
+                ADMIT_HINT[m],
+                requirement=REQUIREMENT_FALLBACK,
+                selector_honored=True,
+            )
+            for m in missing
+        ]
+        missing = ()
+    return Plan(profile, chosen, tuple(refusals), missing, lacking, files_off)
+
+
+def finish(planned: Plan, run: Run) -> Confinement:
+    """The run's confinement under `planned`: its grants, its world and its walls (pure)."""
+    r = run
+    chosen = planned.mechanisms
     mounts = Mechanism.MOUNT_NAMESPACE in chosen
     landlock = Mechanism.LANDLOCK_FS in chosen
     files = mounts or landlock
@@ -242,7 +303,7 @@ def plan(request: Request, facts: HostFacts) -> Plan:
         rlimit_data=r.memory,
         cgroup=r.host.cgroup,
         cgroup_off=r.host.cgroup_off,
-        best_effort=r.profile is not Profile.OS_HARDENED,
+        best_effort=planned.profile is not Profile.OS_HARDENED,
         env_ports=r.env_ports,
         parent_pid=r.parent_pid,
         world=world if mounts else None,
@@ -255,7 +316,7 @@ def plan(request: Request, facts: HostFacts) -> Plan:
     )
     if supervised:
         launcher = _unix_grants(launcher, g.socket_roots, r.host)
-    return Plan(
+    return Confinement(
         launcher, chosen, fs, tuple(warnings), tuple(notes), supervised, r.capture, r.trusted
     )
 
@@ -302,7 +363,7 @@ def launch(
     in_child: Callable[[], None] | None = None,
     forker: Forker | None = None,
 ) -> Launched:
-    """Fork the launcher with `plan` (a Plan's launcher plan, as `set_up` completed it):
+    """Fork the launcher with `plan` (a Confinement's launcher plan, as `set_up` completed it):
     `child_fds` are dup2()ed onto its std fds (target: source), then `in_child` runs in it.
     On failure nothing of the launch stays open."""
     fds = dict(child_fds or {})
@@ -325,6 +386,19 @@ def launch(
     return Launched(pid, parent_chan, report_r)
 
 
+def launcher_word(chan: socket.socket) -> tuple[dict[str, object], list[int]]:
+    """The launcher's next message on `chan` (Launched.chan) and the descriptors it sent with
+    it (its listeners); ({}, []) when it closed its end."""
+    return netns.recv_message(chan)
+
+
+def on_host_network(sockets: Sequence[socket.socket]) -> bool:
+    """Whether any of these sockets lives in this process's network namespace (the launcher's
+    listeners must not: the command's namespace is private)."""
+    own = netns.own_namespace_inode()
+    return any(netns.namespace_inode(s) == own for s in sockets)
+
+
 def _launcher(  # noqa: PLR0917 (the launch's own ends, in the child)
     plan: LaunchPlan,
     parent_chan: socket.socket,
@@ -344,43 +418,7 @@ def _launcher(  # noqa: PLR0917 (the launch's own ends, in the child)
     launcher_main(plan, child_chan.detach())
 
 
-# -- planning before the Request (pure) -----------------------------------------------------
-
-
-class Choice(NamedTuple):
-    """The mechanisms a profile gets on this host (`choose`)."""
-
-    chosen: frozenset[Mechanism]
-    # Required mechanisms the host lacks: the command must not start (exit 126).
-    refusals: list[Refusal]
-    # What a best-effort profile runs without (said, not refused): worktree's gaps.
-    gaps: tuple[Mechanism, ...]
-    lacking: frozenset[Mechanism]  # everything the profile wants and the host lacks
-
-
-def choose(profile: Profile, facts: HostFacts, *, files_off: bool, enforce: bool) -> Choice:
-    """The mechanisms this host gives `profile`, and its refusals.
-
-    `files_off` (profile unrestricted, or worktree under EGRESSBOX_SANDBOX=off): the network
-    boundary alone. worktree is best effort: a missing mechanism is a gap, or a refusal when
-    `enforce` (EGRESSBOX_SANDBOX=enforce) says so; os_hardened requires every mechanism."""
-    chosen, refusals = choose_mechanisms(Profile.UNRESTRICTED if files_off else profile, facts)
-    lacking = wanted(profile) - chosen
-    missing = () if files_off or profile is not Profile.WORKTREE else tuple(sorted(lacking))
-    if enforce and missing:
-        refusals += [
-            Refusal(
-                m,
-                facts.status.get(HOST_NEEDS[m], "absent_on_host"),
-                profile,
-                ADMIT_HINT[m],
-                requirement=REQUIREMENT_FALLBACK,
-                selector_honored=True,
-            )
-            for m in missing
-        ]
-        missing = ()
-    return Choice(chosen, refusals, missing, lacking)
+# -- the grants' parts the caller names (pure) ----------------------------------------------
 
 
 def credential_paths(home: str, child_home: str | None = None) -> tuple[str, ...]:
@@ -462,18 +500,19 @@ def private_paths(mounts: bool) -> tuple[str, ...]:
     return USER_TEMP if mounts else ()
 
 
-# -- reading the host for a Request -----------------------------------------------------------
+# -- reading the host for a Run ---------------------------------------------------------------
 
 
 def read_host(
+    planned: Plan,
     grants: Grants,
-    mechanisms: frozenset[Mechanism],
     *,
     budget: int | None,
     max_processes: int | None,
 ) -> HostReads:
-    """What `plan` needs of the host for these grants under `mechanisms` (reads only): the
-    grants themselves are planned here as `plan` will, to know which paths to read."""
+    """What `finish` needs of the host for these grants under `planned` (reads only): the
+    grants themselves are planned here as `finish` will, to know which paths to read."""
+    mechanisms = planned.mechanisms
     mounts = Mechanism.MOUNT_NAMESPACE in mechanisms
     files = mounts or Mechanism.LANDLOCK_FS in mechanisms
     connects = "" if Mechanism.NETWORK_NAMESPACE in mechanisms else connects_off(mechanisms)
@@ -646,7 +685,7 @@ class SetUp(NamedTuple):
     host_capture: socket.socket | None  # the connect supervisor's capture listener
 
 
-def set_up(plan: Plan, *, staged: StagingSpec | None = None) -> SetUp:
+def set_up(plan: Confinement, *, staged: StagingSpec | None = None) -> SetUp:
     """Make on the host what the planned run needs before its launch: without a network
     namespace the proxy's listeners (and, supervised with capture, the capture listener);
     `staged` is the staged workspace's layer (made by the caller), which holds the host-trusted

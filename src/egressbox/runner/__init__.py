@@ -2,6 +2,7 @@
 
     options    what a run is asked (RunOptions) and what it returns (RunResult)
     facts      what the host supports, probed once and cached where no child can write
+    own_state  egressbox's own state directory (probe cache, trusted policies, layers)
     assemble   the launch plan, assembled from options and facts before the fork
     spawn      fork the launcher, receive its listeners and what it applied
     zygote     the command line's launcher, forked before the plan exists

@@ -1,11 +1,12 @@
 """The launch plan of a run, assembled from its options and the host's facts.
 
-Everything decided before the fork: the runner reads the host (paths, the command on PATH,
-the environment) and builds a Request; confinement plans through its face (confine/face.py:
-the profile's mechanisms and refusals, the filesystem grants, the child's world, the plan
-itself). What is made on the host for the run is made by named set-up steps, never by a
-planning step: the face's (scratch space, the proxy's listeners without a network
-namespace) and the staged workspace's layer (runner/gate.py).
+Everything decided before the fork: confinement's face plans the profile's mechanisms on this
+host (confine/face.py `plan`); on them the runner reads the host (paths, the command on PATH,
+the environment) and builds the Run, from which the face decides the rest (`finish`: the
+filesystem grants, the child's world, the launcher's plan). What is made on the host for the
+run is made by named set-up steps, never by a planning step: the face's (scratch space, the
+proxy's listeners without a network namespace) and the staged workspace's layer
+(runner/gate.py).
 """
 
 from __future__ import annotations
@@ -200,11 +201,10 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     account = _account(options)
     if account is not None:
         base = user_environment(base, account)
-    profile, chosen, warnings = _mechanisms(options, facts, base)
+    planned, warnings = _mechanisms(options, facts, base)
     home = base.get("HOME", os.path.expanduser("~"))
     cwd = os.path.realpath(options.cwd or os.getcwd())
-    files = Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
-    mounts = Mechanism.MOUNT_NAMESPACE in chosen
+    files, mounts = planned.files, planned.mounts
     layout = lay_out(
         expand(options.write_roots, home),
         cwd=cwd,
@@ -219,9 +219,7 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
     owner = (account.uid, account.gid) if account is not None else None
     scratch, cleanup = _scratch(layout, mounts, owner)
     brokering = _brokering(options, mounts, warnings)
-    start = _Start(
-        base, home, profile, chosen, warnings, layout, executable, scratch, cleanup, brokering
-    )
+    start = _Start(base, home, planned, warnings, layout, executable, scratch, cleanup, brokering)
     try:
         return _prepare(options, facts, start)
     except BaseException:
@@ -237,8 +235,7 @@ class _Start(NamedTuple):
 
     base: dict[str, str]
     home: str
-    profile: Profile
-    chosen: frozenset[Mechanism]
+    planned: face.Plan  # the profile's mechanisms on this host (confinement's face)
     warnings: list[str]
     layout: Layout
     executable: Executable
@@ -248,10 +245,10 @@ class _Start(NamedTuple):
 
 
 def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
-    base, home, profile, chosen = start.base, start.home, start.profile, start.chosen
+    base, home, chosen = start.base, start.home, start.planned.mechanisms
+    profile = start.planned.profile
     warnings, layout, executable = start.warnings, start.layout, start.executable
-    scratch = start.scratch
-    files = Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
+    scratch, files = start.scratch, start.planned.files
     env, templates = _environment(options, base, scratch, profile, layout.writable)
     held = held_back(
         base, policy=options.env_policy, grants=options.grants, remove=options.env_remove
@@ -289,10 +286,10 @@ def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     # One memory figure for the run: a cgroup where the host delegates one; the private file
     # systems' sizes fit in it either way (confine/grants.py tmpfs_sizes).
     budget = options.max_memory or _half_the_memory()
-    host = face.read_host(grants, chosen, budget=budget, max_processes=options.max_processes)
+    host = face.read_host(start.planned, grants, budget=budget, max_processes=options.max_processes)
     capture_off = _capture_off(options, chosen, facts, host.connects_off)
-    planned = face.plan(
-        _request(options, start, env, templates, grants, host, capture_off, budget), facts
+    planned = face.finish(
+        start.planned, _run(options, start, env, templates, grants, host, capture_off, budget)
     )
     warnings += _denied_roots(roots, planned.fs)
     warnings += planned.warnings
@@ -360,12 +357,12 @@ def _finish(
     host_capture: socket.socket | None,
 ) -> Prepared:
     profile, chosen, warnings, executable = (
-        start.profile,
-        start.chosen,
+        start.planned.profile,
+        start.planned.mechanisms,
         start.warnings,
         start.executable,
     )
-    home, files = start.home, Mechanism.MOUNT_NAMESPACE in chosen or Mechanism.LANDLOCK_FS in chosen
+    home, files = start.home, start.planned.files
     report, network = enforcement_report(profile, chosen, capture_off=capture_off)
     homes = tuple(dict.fromkeys(h for h in (home, env.get("HOME")) if h and os.path.isabs(h)))
     layout = roots.layout
@@ -414,16 +411,14 @@ def _stage(options: RunOptions, start: _Start, roots: _Roots, warnings: list[str
     writable = staged_roots((*layout.writable, *roots.process_write))
     if writable:
         warnings += recover(state, writable[0])
-    if options.review and (
-        options.workspace != STAGED or Mechanism.MOUNT_NAMESPACE not in start.chosen
-    ):
+    if options.review and (options.workspace != STAGED or not start.planned.mounts):
         why = "its layer needs a mount namespace, which this run cannot make"
         if options.workspace != STAGED:
             why = "--workspace direct was asked"
         raise EgressboxError(f"--review needs a staged workspace: {why}")
     if options.workspace != STAGED:
         return _Staged(None, DIRECT, "--workspace direct: the command writes the host's files")
-    if Mechanism.MOUNT_NAMESPACE not in start.chosen:
+    if not start.planned.mounts:
         return _Staged(None, DIRECT, _unstaged(options, warnings))
     if not writable:
         return _Staged(None, STAGED, "nothing writable to stage")
@@ -468,8 +463,8 @@ def _unstaged(options: RunOptions, warnings: list[str]) -> str:
 
 def _mechanisms(
     options: RunOptions, facts: HostFacts, base: Mapping[str, str]
-) -> tuple[Profile, frozenset[Mechanism], list[str]]:
-    """The profile, the mechanisms this host gives it, and the warnings; or a refusal."""
+) -> tuple[face.Plan, list[str]]:
+    """The plan of the profile's mechanisms on this host, and the warnings; or a refusal."""
     profile = effective_profile(options.profile, base)
     warnings = list(options.notes)
     if profile is not options.profile:
@@ -478,27 +473,26 @@ def _mechanisms(
             f"{profile.value} is stricter and wins"
         )
     mode = _sandbox_mode(base, warnings)
-    files_off = profile is Profile.UNRESTRICTED or (profile is Profile.WORKTREE and mode == "off")
     # EGRESSBOX_SANDBOX=off: worktree applies what unrestricted does (the network boundary).
-    choice = face.choose(profile, facts, files_off=files_off, enforce=mode == "enforce")
-    if choice.refusals:
-        raise RunRefusedError(choice.refusals)
-    chosen = choice.chosen
-    if choice.gaps:
-        names = ", ".join(m.value for m in choice.gaps)
+    planned = face.plan(face.Request(profile, sandbox=mode), facts)
+    if planned.refusals:
+        raise RunRefusedError(list(planned.refusals))
+    chosen = planned.mechanisms
+    if planned.gaps:
+        names = ", ".join(m.value for m in planned.gaps)
         warnings.append(
             f"profile worktree runs without {names} (unavailable here; "
             f"{ENV_SANDBOX}=enforce refuses instead)"
         )
-    if files_off:
+    if planned.files_off:
         warnings.append(_files_off_line(profile, mode))
     _refuse_open_network(chosen, options)
     warnings += _refuse_unconfinable(options, chosen)
-    if Mechanism.NETWORK_NAMESPACE in choice.lacking and (blocker := face.namespace_blocker()):
+    if Mechanism.NETWORK_NAMESPACE in planned.lacking and (blocker := face.namespace_blocker()):
         warnings.append(blocker)
     if options.allow_loopback and Mechanism.NETWORK_NAMESPACE not in chosen:
         raise EgressboxError("--allow-loopback needs a network namespace, which is unavailable")
-    return profile, chosen, warnings
+    return planned, warnings
 
 
 def _account(options: RunOptions) -> Account | None:
@@ -654,7 +648,7 @@ def _denied_roots(roots: _Roots, fs: FsPlan) -> list[str]:
     ]
 
 
-def _request(  # noqa: PLR0917 (the run's parts, each read once before)
+def _run(  # noqa: PLR0917 (the run's parts, each read once before)
     options: RunOptions,
     start: _Start,
     env: dict[str, str],
@@ -663,23 +657,21 @@ def _request(  # noqa: PLR0917 (the run's parts, each read once before)
     host: face.HostReads,
     capture_off: str,
     budget: int | None,
-) -> face.Request:
-    """The run's request to confinement, with what was read of the host for it."""
-    chosen, layout = start.chosen, start.layout
+) -> face.Run:
+    """What the run asks of confinement under its plan, with what was read of the host."""
+    chosen, layout = start.planned.mechanisms, start.layout
     capture = not capture_off
     # Supervised, UDP is refused (no namespace): the main filter's plain variant.
     program = b""
     if Mechanism.SECCOMP in chosen:
         program = _compiled_seccomp(allow_udp=capture and not host.supervised)
     brokering = start.brokering
-    return face.Request(
+    return face.Run(
         argv=options.argv,
         executable=start.executable.path,
         cwd=os.path.realpath(options.cwd or os.getcwd()),
         env=brokering.child_env(env) if brokering else env,
         env_ports=templates,
-        mechanisms=chosen,
-        profile=start.profile,
         grants=grants,
         host=host,
         read_only_scratch=READ_ONLY_SCRATCH if layout.read_only else "",
@@ -999,7 +991,7 @@ def _refuse_own_state(
     files: bool,
     own: Sequence[str] = (),
 ) -> None:
-    """egressbox's state directory (confine/cache.py: the host probe, the seccomp program,
+    """egressbox's state directory (runner/own_state.py: the host probe, the seccomp program,
     trusted policies) is never writable in a child's view: a command that rewrote it would
     steer the next run. Nor may the path to one of egressbox's own files (`own`: policy,
     audit log, --save-approved's output) lead through a symbolic link inside a writable root:
@@ -1007,7 +999,7 @@ def _refuse_own_state(
     filesystem confinement the child may write whatever the invoker may; nothing to refuse."""
     if not files:
         return
-    from egressbox.confine.cache import STATE_ENV
+    from egressbox.runner.own_state import STATE_ENV
 
     # With a mount namespace /tmp and /var/tmp are the child's own, not the host's.
     private = face.private_paths(Mechanism.MOUNT_NAMESPACE in chosen)

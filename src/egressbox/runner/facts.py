@@ -1,5 +1,5 @@
 """What this host supports for this process, probed and cached where no child can write
-(confine/cache.py).
+(runner/own_state.py).
 
 Two processes of one boot can get different answers from the probe: one under a container's
 seccomp filter that refuses namespaces, one in a user namespace without capabilities, one
@@ -90,11 +90,11 @@ def remember_probe(support: HostSupport) -> None:
 
 def forget_facts() -> None:
     """A mechanism the cache called available failed at run time: probe afresh next time."""
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
     key = probe_key()
     if key is not None:
-        cache.remove(_facts_path(key))
+        own_state.remove(_facts_path(key))
 
 
 def _doubted(facts: HostFacts) -> tuple[str, ...]:
@@ -235,24 +235,24 @@ def _key_name(key: dict[str, str]) -> str:
 
 
 def _cache_dir() -> str:
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
-    return cache.directory()
+    return own_state.directory()
 
 
 def _facts_path(key: dict[str, str]) -> str:
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
-    return cache.path(f"{_PROBE_PREFIX}{_key_name(key)}.json")
+    return own_state.path(f"{_PROBE_PREFIX}{_key_name(key)}.json")
 
 
 def _load_facts(key: dict[str, str]) -> HostFacts | None:
     import json
 
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
     try:
-        data = json.loads(cache.read(_facts_path(key)) or b"null")
+        data = json.loads(own_state.read(_facts_path(key)) or b"null")
         if data["key"] != key:
             return None  # another process's answer (a different key with the same name)
         return HostFacts(
@@ -268,7 +268,7 @@ def _load_facts(key: dict[str, str]) -> HostFacts | None:
 def _store_facts(facts: HostFacts, key: dict[str, str]) -> None:
     import json
 
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
     data: dict[str, object] = {
         "key": key,
@@ -276,8 +276,8 @@ def _store_facts(facts: HostFacts, key: dict[str, str]) -> None:
         "status": dict(facts.status),
         "abi": facts.landlock_abi,
     }
-    cache.write(_facts_path(key), json.dumps(data).encode())
-    cache.prune(_PROBE_PREFIX, MAX_PROBES)
+    own_state.write(_facts_path(key), json.dumps(data).encode())
+    own_state.prune(_PROBE_PREFIX, MAX_PROBES)
 
 
 def _compiled_seccomp(allow_udp: bool = False) -> bytes:
@@ -289,7 +289,7 @@ def _compiled_seccomp(allow_udp: bool = False) -> bytes:
     """
     import json
 
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
     # Read the cache without importing the seccomp module (~7 ms with hashlib).
     variant = "seccomp-udp" if allow_udp else "seccomp-plain"
@@ -300,9 +300,9 @@ def _compiled_seccomp(allow_udp: bool = False) -> bytes:
         "allow_list": _mtime(_source("confine", "syscall_table.py")),
         "libseccomp": _library(LIBRARIES[0]),
     }
-    path = cache.path(f"{variant}-{_key_name(key)}.json")
+    path = own_state.path(f"{variant}-{_key_name(key)}.json")
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-        data = json.loads(cache.read(path) or b"{}")
+        data = json.loads(own_state.read(path) or b"{}")
         if data.get("status") == "full" and data.get("key") == key:
             return bytes.fromhex(data["program"])
     from egressbox.confine import face
@@ -311,6 +311,6 @@ def _compiled_seccomp(allow_udp: bool = False) -> bytes:
     if not program:
         return b""
     stored = {"status": "full", "key": key, "program": program.hex()}
-    cache.write(path, json.dumps(stored).encode())
-    cache.prune(variant + "-", MAX_PROBES)
+    own_state.write(path, json.dumps(stored).encode())
+    own_state.prune(variant + "-", MAX_PROBES)
     return program

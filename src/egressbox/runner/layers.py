@@ -1,7 +1,7 @@
 """A run's staged layer in egressbox's state directory: made before the child starts, applied
 through the gate (confine/staging.py) after it exits, kept for `egressbox changes|apply|discard`.
 
-    STATE/layers/RUN/     (STATE: egressbox's state directory, confine/cache.py; 0700)
+    STATE/layers/RUN/     (STATE: egressbox's state directory, runner/own_state.py; 0700)
         meta.json   the roots (path, device, inode, rules), the command, the working directory
         state       running | pending | applying | held | failed
         journal     the temporary copy in flight during an apply (confine/staging.py)
@@ -23,9 +23,10 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from egressbox.confine import cache, staging
+from egressbox.confine import staging
 from egressbox.confine.grants import is_under
 from egressbox.core.errors import EgressboxError
+from egressbox.runner import own_state
 
 LAYERS = "layers"
 META = "meta.json"
@@ -43,8 +44,8 @@ class LayerError(EgressboxError):
 
 
 def state_home(env: Mapping[str, str] | None = None) -> str:
-    """egressbox's state directory (confine/cache.py decides where), which holds layers/."""
-    return cache.directory(env)
+    """egressbox's state directory (runner/own_state.py decides where), which holds layers/."""
+    return own_state.directory(env)
 
 
 class Root(NamedTuple):

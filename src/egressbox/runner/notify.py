@@ -493,11 +493,11 @@ def _unmapped(host: str) -> str:
 def receive_listener(chan: socket.socket, timeout: float) -> int:
     """The notification fd the command sends before exec ({"event": "notify"}); raises
     OSError when it does not come (the command must then not start)."""
-    from egressbox.confine import netns
+    from egressbox.confine import face
 
     chan.settimeout(timeout)
     try:
-        message, fds = netns.recv_message(chan)
+        message, fds = face.launcher_word(chan)
     finally:
         chan.settimeout(None)
     if message.get("event") != "notify" or len(fds) != 1:

@@ -276,18 +276,18 @@ def _read_small_bytes(path: str) -> bytes | None:
 
 
 def _trust_path() -> str:
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
-    return cache.path(TRUST_FILE)
+    return own_state.path(TRUST_FILE)
 
 
 def _trusted() -> dict[str, str]:
     import json
 
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
     with contextlib.suppress(ValueError, TypeError):
-        data = json.loads(cache.read(_trust_path()) or b"{}")
+        data = json.loads(own_state.read(_trust_path()) or b"{}")
         if isinstance(data, dict):
             return {str(k): str(v) for k, v in data.items()}
     return {}
@@ -304,7 +304,7 @@ def remember(path: str) -> None:
     """Trust this version of a project policy file for runs without --policy."""
     import json
 
-    from egressbox.confine import cache
+    from egressbox.runner import own_state
 
     real = os.path.realpath(path)
     digest = _digest(real)
@@ -316,4 +316,4 @@ def remember(path: str) -> None:
     known.pop(real, None)
     known[real] = digest
     kept = dict(list(known.items())[-MAX_TRUSTED:])
-    cache.write(_trust_path(), json.dumps(kept).encode())
+    own_state.write(_trust_path(), json.dumps(kept).encode())

@@ -10,7 +10,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from egressbox.confine import face, netns
+from egressbox.confine import face
 from egressbox.confine.grants import (
     Enforcement,
     Mechanism,
@@ -382,7 +382,7 @@ def _receive(chan: socket.socket, prepared: Prepared) -> dict[str, socket.socket
     """The sockets the launcher sent, by role (PROXY_ROLES, then CAPTURE_ROLES with capture)."""
     chan.settimeout(LAUNCHER_TIMEOUT)
     try:
-        message, fds = netns.recv_message(chan)
+        message, fds = face.launcher_word(chan)
     except TimeoutError:
         raise LaunchFailedError("the launcher did not start in time") from None
     if message.get("event") == "refused":
@@ -404,8 +404,7 @@ def _receive(chan: socket.socket, prepared: Prepared) -> dict[str, socket.socket
         for sock in received:
             sock.close()
         raise LaunchFailedError(f"the launcher sent unexpected sockets: {roles!r}")
-    own = netns.own_namespace_inode()
-    if any(netns.namespace_inode(s) == own for s in received):
+    if face.on_host_network(received):
         for sock in received:
             sock.close()
         raise LaunchFailedError("the child's listeners are not in a private network namespace")

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from egressbox.confine import cache
+from egressbox.runner import own_state
 
 # A copy is kept of each protected file up to this size (configs and hooks are a few KiB; git's
 # sample hooks are under 5 KiB). A larger one is hashed and, when changed, moved aside only.
@@ -190,8 +190,8 @@ def snapshot(
 
 
 def default_state_dir() -> str:
-    """Where moved-aside paths go: under egressbox's state directory (confine/cache.py)."""
-    return os.path.join(cache.directory(), STATE_SUBDIR)
+    """Where moved-aside paths go: under egressbox's state directory (runner/own_state.py)."""
+    return os.path.join(own_state.directory(), STATE_SUBDIR)
 
 
 def _open_state(path: str) -> int | None:

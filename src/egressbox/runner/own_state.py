@@ -1,6 +1,9 @@
 """egressbox's own state (the host probe, the compiled seccomp program, trusted policies),
 trusted by *where* it is.
 
+The run side keeps it (runner/facts.py, project.py, layers.py, verify.py); confinement reads
+none of it: its plans only must never grant it (runner/assemble.py _refuse_own_state).
+
 A cache steers the next run's confinement, so a forged one would weaken it (an allow-all
 filter, a host "without namespaces"). A confined child runs as the invoker's uid, so who
 owns a file proves nothing about who wrote it. What protects the state is its place:
