@@ -238,17 +238,10 @@ RESULTS = frozenset(
 #   its walker lives in confine/staging.py with the held-back table and openat2 the launcher's
 #   world shares; the cut is the apply half (Journal, Target, apply_tree, list_tree) moving to
 #   the runner and openat2 to fs/, with tests/confine/test_staging*.py following it.
-# - notify: the connect supervisor runs in the unconfined parent during the run and speaks the
-#   seccomp user-notification ABI (ioctls, the notif structures, pidfd_getfd, the child's
-#   memory) of confine/notify.py, which also builds the filter that sends it the connects;
-#   the cut is a supervisor object in confine/notify.py behind one face entry.
 STILL_BYPASSING = {
     "assemble": {"child_environment", "held_back", "proxy_variables", "plan_caches",
                  "resolve_command", "report_row"},
     "layers": {"apply_tree", "list_tree", "remove_journal_temp"},
-    "notify": {"IOCTL_NOTIF_ID_VALID", "IOCTL_NOTIF_RECV", "IOCTL_NOTIF_SEND", "NOTIF",
-               "NOTIF_RESP", "RESOLVE_NO_MAGICLINKS", "openat2", "pidfd_getfd",
-               "read_memory"},
 }  # fmt: skip
 
 

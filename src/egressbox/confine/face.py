@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from egressbox.confine.cgroup import CgroupPlan
     from egressbox.confine.clean import CleanCopies
     from egressbox.confine.env import Scratch
+    from egressbox.confine.notify import Notifications as Notifications  # noqa: PLC0414 (used as face.Notifications)
     from egressbox.confine.probe import Mechanism as HostMechanism
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord, SeccompKill
     from egressbox.confine.staging import StagingSpec
@@ -633,6 +634,15 @@ def connect_filter() -> bytes:
     from egressbox.confine import notify
 
     return notify.program()
+
+
+def supervisor(fd: int) -> Notifications:
+    """The kernel's side of a connect supervisor's notification descriptor `fd` (the one the
+    launcher sends before exec): receiving, checking, answering the held connects and reaching
+    into the task that made them. The policy of what to connect where is the caller's."""
+    from egressbox.confine import notify
+
+    return notify.Notifications(fd)
 
 
 def namespace_blocker() -> str:

@@ -18,17 +18,23 @@ write of every program a round trip).
 
 The program is classic BPF written out here (a dozen instructions, no pyseccomp import, nothing
 to cache); the launcher loads it with seccomp(2) and SECCOMP_FILTER_FLAG_NEW_LISTENER, which
-returns the notification descriptor it hands to the parent before exec.
+returns the notification descriptor it hands to the parent before exec. The parent's side of
+that descriptor (receive, check, answer, take the socket, read the address) is `Notifications`,
+reached through the face (`face.supervisor`); what to connect where stays runner/notify.py's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import socket
 import struct
-from typing import Final
+from typing import Final, NamedTuple
+
+from egressbox.confine import staging
 
 # <linux/seccomp.h>
 SECCOMP_SET_MODE_FILTER: Final = 1
@@ -296,3 +302,119 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# -- the supervisor's side: the notification descriptor's kernel calls -----------------------
+
+# openat2(2)'s resolution inside a directory taken as the root (Linux 5.6, <linux/openat2.h>).
+RESOLVE_IN_ROOT: Final = 0x10
+# pidfd_open(2)'s flag for a thread's own pidfd (Linux 6.9; the value of O_EXCL).
+PIDFD_THREAD: Final = os.O_EXCL
+_ID: Final = struct.Struct("=Q")
+
+
+class Notification(NamedTuple):
+    """One held system call: its notification id, the task that made it, its six arguments."""
+
+    id: int
+    pid: int
+    args: tuple[int, ...]
+
+
+class Notifications:
+    """The kernel's side of one notification descriptor (the supervisor owns the policy):
+    receive a held call, check it is still pending, answer it, and reach into the task that
+    made it (its memory, its descriptors). Owns `fd` until close()."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def receive(self) -> Notification | None:
+        """The next held call; None when it went away first (ENOENT: the task died, or its
+        call was interrupted, between the poll and here)."""
+        buffer = bytearray(NOTIF.size)
+        try:
+            fcntl.ioctl(self.fd, IOCTL_NOTIF_RECV, buffer)
+        except OSError:
+            return None
+        ident, pid, _flags, _nr, _arch, _ip, *args = NOTIF.unpack(buffer)
+        return Notification(ident, pid, tuple(args))
+
+    def still_valid(self, ident: int) -> bool:
+        """Whether the call is still held: the task that made it is alive and waits, so a pid
+        read from it (or a pidfd opened before this) is still that task's."""
+        try:
+            fcntl.ioctl(self.fd, IOCTL_NOTIF_ID_VALID, bytearray(_ID.pack(ident)))
+        except OSError:
+            return False
+        return True
+
+    def answer(self, ident: int, error: int = 0, value: int = 0) -> None:
+        """The held call returns `value`, or fails with errno `error` when it is not 0. A
+        task gone meanwhile (ENOENT) has nobody to answer: ignored."""
+        response = bytearray(NOTIF_RESP.pack(ident, value, -error, 0))
+        with contextlib.suppress(OSError):
+            fcntl.ioctl(self.fd, IOCTL_NOTIF_SEND, response)
+
+    def take_socket(self, ident: int, pid: int, target_fd: int) -> int | None:
+        """Our copy of descriptor `target_fd` of the task that made call `ident`; -errno when
+        it has no such descriptor; None when the call went away (the pid may be reused)."""
+        try:
+            pidfd = _pidfd_of(pid)
+        except OSError:
+            return None
+        try:
+            # Checked after pidfd_open: the pid is still the task that asked, not a reuse.
+            if not self.still_valid(ident):
+                return None
+            return pidfd_getfd(pidfd, target_fd)
+        except OSError as exc:
+            return -(exc.errno or errno.EBADF)
+        finally:
+            os.close(pidfd)
+
+    @staticmethod
+    def read_address(pid: int, pointer: int, length: int) -> bytes:
+        """`length` bytes at `pointer` in task `pid`'s memory, read once; raises OSError."""
+        return read_memory(pid, pointer, length)
+
+    @staticmethod
+    def open_beneath(root_fd: int, path: bytes, *, in_root: bool) -> int:
+        """An O_PATH descriptor of `path` from directory `root_fd`, never through a /proc magic
+        link (it would resolve to the supervisor's own); `in_root`: `root_fd` is the root (symlinks
+        and `..` stay inside it). Raises OSError (ENOENT, ELOOP, EXDEV...)."""
+        resolve = staging.RESOLVE_NO_MAGICLINKS | (RESOLVE_IN_ROOT if in_root else 0)
+        return staging.openat2(root_fd, os.fsdecode(path.lstrip(b"/") or b"."), os.O_PATH, resolve)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+def _pidfd_of(tid: int) -> int:
+    """A pidfd for the task that asked: the notification names a thread, which need not lead
+    its thread group (a connect from any thread but the first). PIDFD_THREAD (Linux 6.9) opens
+    the thread itself; before it, the group leader's pidfd serves, since threads share their
+    descriptor table. Raises OSError."""
+    try:
+        return os.pidfd_open(tid, PIDFD_THREAD)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    try:
+        return os.pidfd_open(tid)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    return os.pidfd_open(_thread_group(tid))
+
+
+def _thread_group(tid: int) -> int:
+    """The thread group (process) id of a thread, from /proc/TID/status; raises OSError."""
+    with open(f"/proc/{tid}/status", "rb") as status:
+        for line in status:
+            if line.startswith(b"Tgid:"):
+                return int(line.split()[1])
+    raise OSError(errno.ESRCH, f"no Tgid for task {tid}")

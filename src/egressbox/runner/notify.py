@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import ipaddress
 import os
 import select
@@ -43,19 +42,15 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Final
 
-from egressbox.confine import notify, staging
+from egressbox.confine import face
 from egressbox.net.original import Destinations
 
 # Longest address a connect may give: sizeof(struct sockaddr_storage) (<sys/socket.h>).
 MAX_SOCKADDR: Final = 128
-# openat2(2)'s resolution inside a directory taken as the root (Linux 5.6, <linux/openat2.h>).
-RESOLVE_IN_ROOT: Final = 0x10
 _IN: Final = struct.Struct("!2xH4s8x")  # sockaddr_in after the native-order family
 _IN6: Final = struct.Struct("!2xHI16sI")  # sockaddr_in6
 _FAMILY: Final = struct.Struct("=H")
 _U32: Final = 0xFFFFFFFF
-# pidfd_open(2)'s flag for a thread's own pidfd (Linux 6.9; the value of O_EXCL).
-PIDFD_THREAD: Final = os.O_EXCL
 LOOPBACK: Final = "127.0.0.1"
 MAPPED_LOOPBACK: Final = "::ffff:127.0.0.1"
 
@@ -84,7 +79,8 @@ class ConnectSupervisor:
         unix_roots: Sequence[str] | None = None,
         unix_hidden: Sequence[str] = (),
     ) -> None:
-        self._fd = listener
+        # The notification descriptor's kernel calls (confine/notify.py, through the face).
+        self._kernel = face.supervisor(listener)
         self._as_user = as_user
         self._grants = None if unix_roots is None else UnixGrants(unix_roots, unix_hidden)
         self.unix_refused = 0  # unix connects refused outside the grants
@@ -108,17 +104,18 @@ class ConnectSupervisor:
                 os.write(self._stop_w, b"x")
             if self._thread.is_alive():
                 self._thread.join(timeout)
-            for fd in (self._stop_w, self._stop_r, self._fd):
+            for fd in (self._stop_w, self._stop_r):
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            self._stop_w = self._stop_r = self._fd = -1
+            self._kernel.close()
+            self._stop_w = self._stop_r = -1
 
     # -- the thread ----------------------------------------------------------------------
 
     def _serve(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
+        poller.register(self._kernel.fd, select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)
         while True:
             try:
@@ -127,7 +124,7 @@ class ConnectSupervisor:
                 continue
             if self._stop_r in events:
                 return
-            mask = events.get(self._fd, 0)
+            mask = events.get(self._kernel.fd, 0)
             if mask & select.POLLIN:
                 started = time.thread_time()
                 self._one()
@@ -136,28 +133,16 @@ class ConnectSupervisor:
                 return  # every filtered task has exited
 
     def _one(self) -> None:
-        buffer = bytearray(notify.NOTIF.size)
-        try:
-            fcntl.ioctl(self._fd, notify.IOCTL_NOTIF_RECV, buffer)
-        except OSError:
-            return  # ENOENT: the task died (or its syscall was interrupted) meanwhile
-        ident, pid, _flags, _nr, _arch, _ip, *args = notify.NOTIF.unpack(buffer)
-        err = self._connect(ident, pid, args)
+        held = self._kernel.receive()
+        if held is None:
+            return  # the task died (or its syscall was interrupted) meanwhile
+        err = self._connect(held.id, held.pid, held.args)
         if err is None:
-            if not self._valid(ident):
+            if not self._kernel.still_valid(held.id):
                 return  # the notification is gone: nobody to answer
             err = errno.EPERM  # never leave a live connect held: it would hang for good
         self.handled += 1
-        answer = bytearray(notify.NOTIF_RESP.pack(ident, 0, -err, 0))
-        with contextlib.suppress(OSError):  # ENOENT: the task went away meanwhile
-            fcntl.ioctl(self._fd, notify.IOCTL_NOTIF_SEND, answer)
-
-    def _valid(self, ident: int) -> bool:
-        try:
-            fcntl.ioctl(self._fd, notify.IOCTL_NOTIF_ID_VALID, bytearray(struct.pack("=Q", ident)))
-        except OSError:
-            return False
-        return True
+        self._kernel.answer(held.id, err)
 
     def _connect(self, ident: int, pid: int, args: Sequence[int]) -> int | None:
         """The connect's errno (0: connected), or None when the notification went away."""
@@ -165,35 +150,18 @@ class ConnectSupervisor:
         if not _FAMILY.size <= length <= MAX_SOCKADDR:
             return errno.EINVAL
         try:
-            raw = notify.read_memory(pid, address, length)  # the one read of the address
+            raw = self._kernel.read_address(pid, address, length)  # the one read of the address
         except OSError as exc:
             return errno.EFAULT if exc.errno in {errno.EFAULT, errno.EIO} else None
         if len(raw) != length:
             return errno.EFAULT
-        taken = self._take(ident, pid, target_fd)
+        taken = self._kernel.take_socket(ident, pid, target_fd)
         if taken is None or taken < 0:
             return None if taken is None else -taken
         try:
             return self._decide(taken, raw, pid)
         finally:
             os.close(taken)
-
-    def _take(self, ident: int, pid: int, target_fd: int) -> int | None:
-        """Our copy of the command's descriptor; -errno when it has none; None when the
-        notification went away."""
-        try:
-            pidfd = _pidfd_of(pid)
-        except OSError:
-            return None
-        try:
-            # Checked after pidfd_open: the pid is still the task that asked, not a reuse.
-            if not self._valid(ident):
-                return None
-            return notify.pidfd_getfd(pidfd, target_fd)
-        except OSError as exc:
-            return -(exc.errno or errno.EBADF)
-        finally:
-            os.close(pidfd)
 
     def _decide(self, sock_fd: int, raw: bytes, pid: int) -> int:
         try:
@@ -267,7 +235,9 @@ class ConnectSupervisor:
         relative = same and not path.startswith(b"/")
         try:
             with _thread_credentials(self._as_user):
-                err = _connect_in_view(sock_fd, base, path, same_root=relative, grants=grants)
+                err = _connect_in_view(
+                    self._kernel, sock_fd, base, path, same_root=relative, grants=grants
+                )
         except OSError as exc:
             return exc.errno or errno.EACCES
         finally:
@@ -309,10 +279,16 @@ def _identities(paths: Sequence[str]) -> Iterator[tuple[int, int]]:
 
 
 def _connect_in_view(
-    sock_fd: int, base: int, path: bytes, *, same_root: bool, grants: UnixGrants | None
+    kernel: face.Notifications,
+    sock_fd: int,
+    base: int,
+    path: bytes,
+    *,
+    same_root: bool,
+    grants: UnixGrants | None,
 ) -> int:
     try:
-        node = _socket_node(base, path, same_root=same_root)
+        node = _socket_node(kernel, base, path, same_root=same_root)
     except OSError as exc:
         return exc.errno or errno.ENOENT
     try:
@@ -379,54 +355,22 @@ def _view_base(pid: int, path: bytes) -> int:
     return os.open(f"/proc/{pid}/{where}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _socket_node(base: int, path: bytes, *, same_root: bool) -> int:
+def _socket_node(kernel: face.Notifications, base: int, path: bytes, *, same_root: bool) -> int:
     """An O_PATH descriptor of the unix socket file `path` names for the command, found from
     `base` (_view_base; `same_root`: the command's root is ours) in the command's own view:
     its root (a constructed one has no host sockets) or its working directory, symlinks
     resolved inside that root, never through a /proc magic link (ours would be the
     supervisor's). Connecting to /proc/self/fd/N then reaches exactly that node, whatever the
     path's length. Raises OSError (ENOENT, ELOOP, EXDEV...)."""
-    if same_root:
-        # The command sees our root: `..` may climb above its working directory as the
-        # kernel would let it.
-        resolve = staging.RESOLVE_NO_MAGICLINKS
-    else:
-        # A relative path in a view of its own cannot climb above the working directory
-        # (its place in that view is unknown to us).
-        resolve = RESOLVE_IN_ROOT | staging.RESOLVE_NO_MAGICLINKS
-    return staging.openat2(base, os.fsdecode(path.lstrip(b"/") or b"."), os.O_PATH, resolve)
+    # With our root the command's `..` may climb above its working directory as the kernel
+    # would let it; a relative path in a view of its own cannot (its place in that view is
+    # unknown to us), so the directory is taken as the root.
+    return kernel.open_beneath(base, path, in_root=not same_root)
 
 
 def _same_root(pid: int) -> bool:
     mine, theirs = os.stat("/"), os.stat(f"/proc/{pid}/root")
     return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
-
-
-def _pidfd_of(tid: int) -> int:
-    """A pidfd for the task that asked: the notification names a thread, which need not lead
-    its thread group (a connect from any thread but the first). PIDFD_THREAD (Linux 6.9) opens
-    the thread itself; before it, the group leader's pidfd serves, since threads share their
-    descriptor table. Raises OSError."""
-    try:
-        return os.pidfd_open(tid, PIDFD_THREAD)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-    try:
-        return os.pidfd_open(tid)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-    return os.pidfd_open(_thread_group(tid))
-
-
-def _thread_group(tid: int) -> int:
-    """The thread group (process) id of a thread, from /proc/TID/status; raises OSError."""
-    with open(f"/proc/{tid}/status", "rb") as status:
-        for line in status:
-            if line.startswith(b"Tgid:"):
-                return int(line.split()[1])
-    raise OSError(errno.ESRCH, f"no Tgid for task {tid}")
 
 
 def _libc_connect(fd: int, address: bytes) -> int:
@@ -493,8 +437,6 @@ def _unmapped(host: str) -> str:
 def receive_listener(chan: socket.socket, timeout: float) -> int:
     """The notification fd the command sends before exec ({"event": "notify"}); raises
     OSError when it does not come (the command must then not start)."""
-    from egressbox.confine import face
-
     chan.settimeout(timeout)
     try:
         message, fds = face.launcher_word(chan)
