@@ -235,3 +235,14 @@ def test_no_line_without_refusals_or_with_quiet(
     assert outside.received == [], (proc.stdout, proc.stderr)
     assert ("REFUSED outside 13" in proc.stdout) is quiet, proc.stdout
     assert "outside the grants" not in proc.stderr, proc.stderr
+
+
+def test_the_refused_path_is_shown_escaped() -> None:
+    """The path comes from the command: a control character or a byte that is not UTF-8
+    cannot reach the terminal as itself (no forged line, no cursor move)."""
+    from egressbox.runner.notify import printable_path
+
+    assert printable_path("/run/dökcer.sock".encode()) == "/run/dökcer.sock"
+    shown = printable_path(b"/tmp/a\negressbox: forged\x1b[2J\xff.sock")
+    assert shown == "/tmp/a\\negressbox: forged\\x1b[2J\\xff.sock"
+    assert shown.isprintable()
