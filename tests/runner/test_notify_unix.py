@@ -187,3 +187,62 @@ def test_unix_connects_reach_only_what_the_grants_hold(
     )  # fmt: skip
     refused = {line.split()[1]: line.split()[2] for line in out.splitlines() if "REFUSED" in line}
     assert refused == {"outside": "13", "before": "13", "link": "13", "abstract": "1"}, out
+    # The user is told, once, at the end: the count of the refusals by the grants (the
+    # outside socket, the live one in the workspace, the symlink; not the abstract name) and
+    # the first path as the command gave it.
+    said = [line for line in err.splitlines() if "outside the grants" in line]
+    assert said == [
+        f"egressbox: refused 3 connects to unix sockets outside the grants (first: "
+        f"{targets['outside']}); --unix-socket-root DIR admits a directory's sockets"
+    ], err
+
+
+@pytest.mark.parametrize("quiet", [False, True], ids=["no-refusal", "quiet"])
+def test_no_line_without_refusals_or_with_quiet(
+    public_dirs: tuple[Path, Path], quiet: bool
+) -> None:
+    """A run whose unix connects all reach granted sockets says nothing of them; nor does
+    a --quiet run, refused or not (its refusal still reaches the command as EACCES)."""
+    actor = invoking_actor()
+    outside_dir, granted_dir = public_dirs
+    top = Path(tempfile.mkdtemp(prefix="egressbox-notify-unix-", dir="/tmp"))
+    (top / "child.py").write_text(CHILD)
+    (top / "work").mkdir()
+    listener = _UnixListener(str(granted_dir / "agent.sock"))
+    outside = _UnixListener(str(outside_dir / "daemon.sock"))
+    env = actor.base_env(top) | {
+        "EGRESSBOX_STATE_DIR": str(STATE_ROOT / ".egressbox-test-notify-unix-quiet"),
+        "EGRESSBOX_PURE": "1",
+    }
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    run = ["run", "--report", "--read-root", str(top), "--unix-socket-root", str(granted_dir)]
+    run += ["--quiet"] if quiet else []
+    run += ["--", CHILD_PYTHON, str(top / "child.py"), f"granted={granted_dir / 'agent.sock'}"]
+    run += [f"outside={outside_dir / 'daemon.sock'}"] if quiet else []
+    argv, env = actor.command([actor.python, str(NO_NAMESPACES), *actor.egressbox, *run], env)
+    try:
+        proc = subprocess.run(
+            argv, check=False, cwd=top / "work", env=env, input="go\n", capture_output=True,
+            text=True, timeout=RUN_TIMEOUT,
+        )  # fmt: skip
+    finally:
+        listener.close()
+        outside.close()
+        shutil.rmtree(top, ignore_errors=True)
+        shutil.rmtree(STATE_ROOT / ".egressbox-test-notify-unix-quiet", ignore_errors=True)
+    assert listener.received == [b"payload:granted"], (proc.stdout, proc.stderr)
+    assert outside.received == [], (proc.stdout, proc.stderr)
+    assert ("REFUSED outside 13" in proc.stdout) is quiet, proc.stdout
+    assert "outside the grants" not in proc.stderr, proc.stderr
+
+
+def test_the_refused_path_is_shown_escaped() -> None:
+    """The path comes from the command: a control character or a byte that is not UTF-8
+    cannot reach the terminal as itself (no forged line, no cursor move)."""
+    from egressbox.runner.notify import printable_path
+
+    assert printable_path("/run/dökcer.sock".encode()) == "/run/dökcer.sock"
+    shown = printable_path(b"/tmp/a\negressbox: forged\x1b[2J\xff.sock")
+    assert shown == "/tmp/a\\negressbox: forged\\x1b[2J\\xff.sock"
+    assert shown.isprintable()

@@ -58,16 +58,26 @@ def run_command(args: Any, argv: list[str]) -> int:
         return result
     if args.report:
         _print_report(args, result)
-    for line in result.created_trusted:
-        write_err(f"warning: {line}")
-    from egressbox.runner.gate import report_lines
-
-    for line in report_lines(result):
-        write_err(line)
+    _end_lines(args, result)
     _save_approved(args, result)
     if result.refusal is not None:
         write_err(result.refusal.line(result.exit_code))
     return result.exit_code
+
+
+def _end_lines(args: Any, result: RunResult) -> None:
+    """What the run's end says on stderr: trusted files put right, its way back, and (not
+    with --quiet) the unix socket connects refused outside the grants."""
+    from egressbox.runner.gate import report_lines
+    from egressbox.runner.supervise import unix_refused_line
+
+    for line in result.created_trusted:
+        write_err(f"warning: {line}")
+    lines = report_lines(result)
+    if not args.quiet:
+        lines.append(unix_refused_line(result))
+    for line in filter(None, lines):
+        write_err(line)
 
 
 def _print_report(args: Any, result: RunResult) -> None:

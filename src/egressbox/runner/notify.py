@@ -84,6 +84,8 @@ class ConnectSupervisor:
         self._as_user = as_user
         self._grants = None if unix_roots is None else UnixGrants(unix_roots, unix_hidden)
         self.unix_refused = 0  # unix connects refused outside the grants
+        # The first one's path as the command gave it (printable): what the run's end names.
+        self.unix_refused_first = ""
         self._proxy_ports = frozenset(proxy_ports)
         self._capture_port = capture_port
         self.destinations = destinations
@@ -235,16 +237,31 @@ class ConnectSupervisor:
         relative = same and not path.startswith(b"/")
         try:
             with _thread_credentials(self._as_user):
-                err = _connect_in_view(
+                return _connect_in_view(
                     self._kernel, sock_fd, base, path, same_root=relative, grants=grants
                 )
+        except OutsideGrantsError:
+            # Counted apart from the kernel's own EACCES (a socket NAME may not write).
+            self.unix_refused += 1
+            self.unix_refused_first = self.unix_refused_first or printable_path(path)
+            return REFUSED
         except OSError as exc:
             return exc.errno or errno.EACCES
         finally:
             os.close(base)
-        if err == REFUSED:
-            self.unix_refused += 1
-        return err
+
+
+class OutsideGrantsError(PermissionError):
+    """The socket a unix connect names lies outside the grants (answered with REFUSED)."""
+
+
+def printable_path(path: bytes) -> str:
+    """`path` for a line on the terminal: UTF-8 where it is, every other byte and every
+    control character escaped (\\xNN), so a name cannot move the cursor or forge a line. Its
+    length is bounded by the address it came from (MAX_SOCKADDR bytes, 4 characters each at
+    most)."""
+    text = path.decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 class UnixGrants:
@@ -293,7 +310,7 @@ def _connect_in_view(
         return exc.errno or errno.ENOENT
     try:
         if grants is not None and not grants.admits(node):
-            return REFUSED
+            raise OutsideGrantsError(REFUSED, "outside the unix socket grants")
         address = f"/proc/self/fd/{node}".encode()
         return _libc_connect(sock_fd, _FAMILY.pack(socket.AF_UNIX) + address + b"\0")
     finally:

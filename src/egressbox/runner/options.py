@@ -219,6 +219,10 @@ class RunResult:
     # Escape sequences the terminal relay kept from the caller's terminal, by kind
     # (runner/vtfilter.py: clipboard, title, query...); counts only, never their contents.
     terminal_dropped: dict[str, int] = field(default_factory=dict)
+    # Without a network namespace: the command's unix socket connects the connect supervisor
+    # refused outside the grants (runner/notify.py), and the first one's path, printable.
+    unix_refused: int = 0
+    unix_refused_first: str = ""
     # "staged" or "direct", and why when staging was asked for and not built.
     workspace: str = "direct"
     workspace_detail: str = ""

@@ -136,6 +136,9 @@ class Launched:
     unix_roots: tuple[str, ...] | None = None
     unix_hidden: tuple[str, ...] = ()
     connects_off = ""
+    # What the supervisor refused outside those grants, kept when it stops (for RunResult).
+    unix_refused = 0
+    unix_refused_first = ""
 
     def __init__(
         self,
@@ -162,7 +165,9 @@ class Launched:
             sock.close()
         self.capture = self.dns_udp = self.dns_tcp = None
         if self.connects is not None:
-            self.connects.close()
+            self.connects.close()  # its thread joined: the counts are final
+            self.unix_refused = self.connects.unix_refused
+            self.unix_refused_first = self.connects.unix_refused_first
             self.connects = None
 
     def _start_connects(self, chan: socket.socket) -> None:

@@ -492,13 +492,13 @@ def _result(
 
         result = RunResult(EXIT_TIMEOUT, records, prepared.report, roots=prepared.roots)
         result.profile = prepared.profile.value
-        result.terminal_dropped = launched.tee.dropped() if launched.tee is not None else {}
+        _end_facts(result, launched)
         result.refusal = RefusalRecord(Boundary.TIMEOUT, timeout=launched.timeout)
         finish(prepared, result)
         return result
     result = RunResult(code, records, prepared.report, roots=prepared.roots)
     result.profile = prepared.profile.value
-    result.terminal_dropped = launched.tee.dropped() if launched.tee is not None else {}
+    _end_facts(result, launched)
     # The way back, before anything judges the host's files: the layer through the gate.
     finish(prepared, result)
     result.created_trusted = _created_trusted(prepared)
@@ -512,6 +512,26 @@ def _result(
     if code != 0:
         result.refusal = _refusal(code, records, stderr, prepared, launched)
     return result
+
+
+def _end_facts(result: RunResult, launched: Launched) -> None:
+    """What the run's ends kept: escape sequences the terminal relay dropped, unix socket
+    connects the connect supervisor refused."""
+    result.terminal_dropped = launched.tee.dropped() if launched.tee is not None else {}
+    result.unix_refused = launched.unix_refused
+    result.unix_refused_first = launched.unix_refused_first
+
+
+def unix_refused_line(result: RunResult) -> str:
+    """The stderr line for unix connects refused outside the grants, "" when none were."""
+    if not result.unix_refused:
+        return ""
+    many = "s" if result.unix_refused != 1 else ""
+    return (
+        f"refused {result.unix_refused} connect{many} to unix sockets outside the "
+        f"grants (first: {result.unix_refused_first}); --unix-socket-root DIR admits a "
+        "directory's sockets"
+    )
 
 
 def _refusal(
