@@ -23,7 +23,6 @@ import shutil
 import socket
 import subprocess
 import textwrap
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ import pytest
 
 from egressbox.confine import notify
 from egressbox.net.original import Destinations
+from recording import ORIGIN_ANSWER, Recording
 from unprivileged import Actor, UnavailableError, invoking_actor, unprivileged_actor
 
 pytest.importorskip("pyseccomp")
@@ -90,34 +90,13 @@ CHILD = textwrap.dedent(
 )
 
 
-class _Listener:
+def _tcp_listener(host: str, port: int = 0) -> Recording:
     """A loopback listener that records every connection it accepts (and answers HTTP)."""
-
-    def __init__(self, host: str, port: int = 0) -> None:
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.accepted: list[bytes] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(5)
-                try:
-                    self.accepted.append(conn.recv(1000))
-                    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 6\r\n\r\norigin")
-                except OSError:
-                    self.accepted.append(b"")
-
-    def close(self) -> None:
-        self.sock.close()
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(16)
+    return Recording(sock, ORIGIN_ANSWER)
 
 
 @dataclass(frozen=True)
@@ -244,7 +223,7 @@ def place(request: pytest.FixtureRequest) -> Iterator[Place]:
 
 
 def _run_in(
-    place: Place, origin: _Listener, other: _Listener
+    place: Place, origin: Recording, other: Recording
 ) -> tuple[str, str, list[dict[str, object]]]:
     """`egressbox run --report` of CHILD in the place; the trap on 127.0.0.2 at the proxy's
     port must receive nothing. Returns stdout, stderr and the audit records."""
@@ -272,7 +251,7 @@ def _run_in(
             proc.kill()
             _, err = proc.communicate(timeout=RUN_TIMEOUT)
             pytest.fail(f"the command did not start: {first!r} {err}")
-        trap = _Listener("127.0.0.2", int(first))  # the proxy's port number elsewhere
+        trap = _tcp_listener("127.0.0.2", int(first))  # the proxy's port number elsewhere
         try:
             proc.stdin.write(f"{other.port} {origin.port}\n")
             proc.stdin.flush()
@@ -300,7 +279,7 @@ def _doctor_in(place: Place) -> dict[str, Any]:
 
 
 def test_where_namespaces_are_refused_only_the_proxy_is_reached(place: Place) -> None:
-    origin, other = _Listener("127.0.0.1"), _Listener("127.0.0.1")
+    origin, other = _tcp_listener("127.0.0.1"), _tcp_listener("127.0.0.1")
     try:
         out, err, records = _run_in(place, origin, other)
     finally:

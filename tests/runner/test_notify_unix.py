@@ -19,20 +19,19 @@ import socket
 import subprocess
 import tempfile
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from egressbox.confine import notify
+from recording import Recording
 from unprivileged import Actor, UnavailableError, invoking_actor, unprivileged_actor
 
 pytest.importorskip("pyseccomp")
 WHY = notify.support()
 pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY or "supported")
 RUN_TIMEOUT = 60  # seconds for one confined run (start-up is ~0.1 s)
-ACCEPT_GRACE = 1.0  # seconds a listener's thread is given to record what reached it
 NO_NAMESPACES = Path(__file__).resolve().parents[1] / "no_namespaces.py"
 STATE_ROOT = Path(os.environ.get("EGRESSBOX_TEST_STATE_ROOT", "/root"))
 CHILD_PYTHON = "/usr/bin/python3"  # readable by every user
@@ -59,37 +58,15 @@ CHILD = textwrap.dedent(
 )
 
 
-class _UnixListener:
+def _unix_listener(address: str) -> Recording:
     """A unix listener (a path made mode 0777, or an abstract name) that records what every
     connection it accepts sends."""
-
-    def __init__(self, address: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.bind(address)
-        if not address.startswith("\0"):
-            os.chmod(address, 0o777)
-        self.sock.listen(8)
-        self.received: list[bytes] = []
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(3)
-                try:
-                    self.received.append(conn.recv(100))
-                except OSError:
-                    self.received.append(b"")
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self._thread.join(ACCEPT_GRACE)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(address)
+    if not address.startswith("\0"):
+        os.chmod(address, 0o777)
+    sock.listen(8)
+    return Recording(sock)
 
 
 @pytest.fixture(params=["root", "unprivileged"])
@@ -130,10 +107,10 @@ def test_unix_connects_reach_only_what_the_grants_hold(
     os.chmod(wrapper, 0o644)
     abstract = f"egressbox-test-{os.getpid()}-{actor.uid}"
     listeners = {
-        "outside": _UnixListener(str(outside_dir / "daemon.sock")),
-        "granted": _UnixListener(str(granted_dir / "agent.sock")),
-        "before": _UnixListener(str(work / "before.sock")),
-        "abstract": _UnixListener("\0" + abstract),
+        "outside": _unix_listener(str(outside_dir / "daemon.sock")),
+        "granted": _unix_listener(str(granted_dir / "agent.sock")),
+        "before": _unix_listener(str(work / "before.sock")),
+        "abstract": _unix_listener("\0" + abstract),
     }
     os.symlink(outside_dir / "daemon.sock", work / "link.sock")
     targets = {
@@ -162,7 +139,7 @@ def test_unix_connects_reach_only_what_the_grants_hold(
             proc.kill()
             pytest.fail(f"the command did not start: {first!r} {proc.communicate()[1]}")
         # A socket the workspace gains during the run, as the command's own server's would.
-        listeners["after"] = _UnixListener(str(work / "after.sock"))
+        listeners["after"] = _unix_listener(str(work / "after.sock"))
         actor.own(work / "after.sock")
         proc.stdin.write("go\n")
         proc.stdin.flush()
@@ -177,7 +154,7 @@ def test_unix_connects_reach_only_what_the_grants_hold(
         if not actor.runuser:
             shutil.rmtree(state, ignore_errors=True)
     assert "network_namespace: none" in err and "mount_namespace: none" in err, err
-    received = {name: listener.received for name, listener in listeners.items()}
+    received = {name: listener.accepted for name, listener in listeners.items()}
     assert received["outside"] == [], (received, out)  # neither directly nor by the symlink
     assert received["before"] == [], (received, out)
     assert received["abstract"] == [], (received, out)
@@ -208,8 +185,8 @@ def test_no_line_without_refusals_or_with_quiet(
     top = Path(tempfile.mkdtemp(prefix="egressbox-notify-unix-", dir="/tmp"))
     (top / "child.py").write_text(CHILD)
     (top / "work").mkdir()
-    listener = _UnixListener(str(granted_dir / "agent.sock"))
-    outside = _UnixListener(str(outside_dir / "daemon.sock"))
+    listener = _unix_listener(str(granted_dir / "agent.sock"))
+    outside = _unix_listener(str(outside_dir / "daemon.sock"))
     env = actor.base_env(top) | {
         "EGRESSBOX_STATE_DIR": str(STATE_ROOT / ".egressbox-test-notify-unix-quiet"),
         "EGRESSBOX_PURE": "1",
@@ -231,8 +208,8 @@ def test_no_line_without_refusals_or_with_quiet(
         outside.close()
         shutil.rmtree(top, ignore_errors=True)
         shutil.rmtree(STATE_ROOT / ".egressbox-test-notify-unix-quiet", ignore_errors=True)
-    assert listener.received == [b"payload:granted"], (proc.stdout, proc.stderr)
-    assert outside.received == [], (proc.stdout, proc.stderr)
+    assert listener.accepted == [b"payload:granted"], (proc.stdout, proc.stderr)
+    assert outside.accepted == [], (proc.stdout, proc.stderr)
     assert ("REFUSED outside 13" in proc.stdout) is quiet, proc.stdout
     assert "outside the grants" not in proc.stderr, proc.stderr
 

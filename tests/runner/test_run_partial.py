@@ -7,12 +7,10 @@ the network. Either way it is judged at the listeners."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from egressbox.core.policy import parse_policy
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.facts import host_facts
 from egressbox.runner.options import RunOptions, RunResult
+from recording import ORIGIN_ANSWER, Recording
 
 NO_NAMESPACES = {
     "network_namespace": "cannot_attach",
@@ -31,48 +30,17 @@ NO_NAMESPACES = {
     "pid_namespace": "cannot_attach",
     "user_namespace": "cannot_attach",
 }
-LISTENER_TIMEOUT = 5.0  # seconds a listener waits for a request's first bytes
 
 
-class _Listener:
+def _http_listener() -> Recording:
     """An HTTP listener on 127.0.0.1 that records the first bytes of every connection."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.sock.getsockname()[1]
-        self.accepted: list[bytes] = []
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                conn.settimeout(LISTENER_TIMEOUT)
-                try:
-                    self.accepted.append(conn.recv(1000))
-                    conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 6\r\n\r\norigin")
-                except OSError:
-                    self.accepted.append(b"")
-
-    def paths(self) -> list[str]:
-        return sorted(line.split(b" ")[1].decode() for line in self.accepted if line)
-
-    def close(self) -> None:
-        # shutdown wakes the blocked accept(); close alone does not on Linux.
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self._thread.join(timeout=LISTENER_TIMEOUT)
+    return Recording(socket.create_server(("127.0.0.1", 0)), ORIGIN_ANSWER)
 
 
 @pytest.fixture
-def listeners() -> Iterator[tuple[_Listener, _Listener]]:
+def listeners() -> Iterator[tuple[Recording, Recording]]:
     """The origin the policy admits, and another listener it does not."""
-    origin, other = _Listener(), _Listener()
+    origin, other = _http_listener(), _http_listener()
     try:
         yield origin, other
     finally:
@@ -127,7 +95,7 @@ def _said(result: RunResult) -> dict[str, str]:
 
 @pytest.mark.parametrize("profile", [Profile.WORKTREE, Profile.UNRESTRICTED])
 def test_without_namespaces_every_connect_of_the_child_reaches_only_the_proxy(
-    listeners: tuple[_Listener, _Listener], tmp_path: Path, profile: Profile
+    listeners: tuple[Recording, Recording], tmp_path: Path, profile: Profile
 ) -> None:
     why = notify.support()
     if why:
@@ -157,7 +125,7 @@ def test_without_namespaces_every_connect_of_the_child_reaches_only_the_proxy(
 
 
 def test_without_namespaces_or_supervisor_the_proxy_ports_are_all_the_child_reaches(
-    listeners: tuple[_Listener, _Listener], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    listeners: tuple[Recording, Recording], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # What a host without seccomp user notification or pidfd_getfd gets: Landlock's ports.
     monkeypatch.setattr(notify, "support", lambda: "pidfd_getfd(2) fails: (for this test)")
@@ -177,7 +145,7 @@ def test_without_namespaces_or_supervisor_the_proxy_ports_are_all_the_child_reac
 
 
 def test_the_probe_unconfined_reaches_both_listeners(
-    listeners: tuple[_Listener, _Listener], tmp_path: Path
+    listeners: tuple[Recording, Recording], tmp_path: Path
 ) -> None:
     # The attack is real: without egressbox the same direct connects reach both listeners.
     origin, other = listeners
