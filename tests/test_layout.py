@@ -307,7 +307,6 @@ PROCESS_WIDE = {
     "egressbox.net.deadlines._WHEELS": "one timer wheel per event loop",
     "egressbox.net.dial._IP_TEXTS": "an address's text, for the few addresses dialled again",
     "egressbox.net.relay._default_pool": "the pipes splice() borrows, one pool per process",
-    "egressbox.protocols.http1._LAST_INDEX": "the field index of the last head looked at",
     "egressbox.protocols.socks5._BIND_TEXTS": "the packed form of the server's own addresses",
     "egressbox.proxy.check._memo": "decisions keyed by policy, endpoints and DNS entry",
 }

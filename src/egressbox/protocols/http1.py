@@ -245,6 +245,9 @@ class Authority(NamedTuple):
 
 
 Fields = tuple[tuple[str, str], ...]
+# Every value of each lower-cased field name in _INDEXED, in order. Read only: the
+# lists are shared.
+_Index = dict[str, list[str]]
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -273,6 +276,9 @@ class RequestHead:
     headers: Fields = field(repr=False)
     connection_tokens: frozenset[str] = field(repr=False)
     upgrade: tuple[str, ...] = ()
+    # The field index of `headers` (see _index), built once by the parser that read
+    # them; None for a head built from rewritten fields (header() then scans).
+    _index: _Index | None = field(default=None, init=False, repr=False, compare=False)
 
     def __init__(  # noqa: PLR0917 - the dataclass's own signature, fields in order
         self,
@@ -288,6 +294,7 @@ class RequestHead:
         headers: Fields,
         connection_tokens: frozenset[str],
         upgrade: tuple[str, ...] = (),
+        index: _Index | None = None,
     ) -> None:
         # The generated __init__ of a frozen dataclass is interpreted Python that calls
         # object.__setattr__ per field (~2 us a head); compiled, each call below is one
@@ -304,6 +311,7 @@ class RequestHead:
         object.__setattr__(self, "headers", headers)
         object.__setattr__(self, "connection_tokens", connection_tokens)
         object.__setattr__(self, "upgrade", upgrade)
+        object.__setattr__(self, "_index", index)
 
     @property
     def host(self) -> str:
@@ -315,12 +323,15 @@ class RequestHead:
 
     def header(self, name: str) -> list[str]:
         """Every value of the header `name` (case-insensitive), in order."""
-        return _values(self.headers, name)
+        key = name.lower()
+        if key not in _INDEXED:
+            return [value for other, value in self.headers if other.lower() == key]
+        index = self._index
+        if index is None:
+            index = _index(self.headers)
+        return list(index.get(key, _NONE))
 
 
-# Every value of each lower-cased field name in _INDEXED, in order. Read only: the
-# lists are shared.
-_Index = dict[str, list[str]]
 # The names that this module's checks and builders ask an index for. Only these are
 # indexed: most fields of a head are none of them (User-Agent, Accept, Cookie ...),
 # and `_values` finds any other name by a scan of the fields.
@@ -338,17 +349,12 @@ _INDEXED: Final = frozenset(
 )
 # What a name absent from an index gives; never mutated.
 _NONE: Final[list[str]] = []
-# The field index of the head looked at last: a head's checks ask for seven or
-# more names, and one pass that indexes every field beats a scan per name.
-# Swapped as one tuple (atomic), and it holds `fields` itself, so an identity
-# match can never be a new head at a recycled address.
-_LAST_INDEX: Final[list[tuple[Fields, _Index]]] = [((), {})]
 
 
 def _index(fields: Fields) -> _Index:
-    last = _LAST_INDEX[0]
-    if last[0] is fields:
-        return last[1]
+    """The field index of a head: its checks ask for seven or more names, and one pass
+    that indexes every field beats a scan per name. Built once per head by whoever
+    parsed it, and handed along with it (a request keeps its own)."""
     index: _Index = {}
     for name, value in fields:
         key = name.lower()
@@ -359,15 +365,7 @@ def _index(fields: Fields) -> _Index:
             index[key] = [value]
         else:
             values.append(value)
-    _LAST_INDEX[0] = (fields, index)
     return index
-
-
-def _values(fields: Fields, name: str) -> list[str]:
-    key = name.lower()
-    if key in _INDEXED:
-        return list(_index(fields).get(key, _NONE))
-    return [value for other, value in fields if other.lower() == key]
 
 
 # -- framing: heads and lines ------------------------------------------------------------
@@ -998,6 +996,7 @@ def _build_head(line: _RequestLine, fields: Fields) -> RequestHead:
         headers=fields,
         connection_tokens=connection,
         upgrade=upgrade,
+        index=index,
     )
 
 
@@ -1688,16 +1687,17 @@ class ResponseFramer:
             return None
         status, self._status = self._status, None
         fields = _response_fields(raw)
+        index = _index(fields)
         if status.status == _STATUS_SWITCHING_PROTOCOLS:
-            return self._upgraded(status, fields)
+            return self._upgraded(status, fields, index)
         if status.status < 200:
-            return self._informational_event(status, fields)
-        return self._final_head(status, fields)
+            return self._informational_event(status, fields, index)
+        return self._final_head(status, fields, index)
 
     def _response_head_too_long(self, _line_ended: bool) -> HttpError:
         return UpstreamResponseError(f"response head is larger than {self._max_head_bytes} bytes")
 
-    def _upgraded(self, status: _StatusLine, fields: Fields) -> Upgraded:
+    def _upgraded(self, status: _StatusLine, fields: Fields, index: _Index) -> Upgraded:
         offered = {_protocol_name(p) for p in self._request.upgrade}
         if not offered:
             raise UpstreamResponseError("101 Switching Protocols to a request that asked for none")
@@ -1705,8 +1705,8 @@ class ResponseFramer:
             raise UpstreamResponseError("101 Switching Protocols in an HTTP/1.0 response")
         # The framing fields are checked as on any response, then dropped:
         # a 101 has no body (RFC 9110 §15.2), the new protocol follows at once.
-        _response_framing(self._request, status, fields)
-        protocols = _list_items(_index(fields).get("upgrade", _NONE))
+        _response_framing(self._request, status, index)
+        protocols = _list_items(index.get("upgrade", _NONE))
         if not protocols:
             raise UpstreamResponseError("101 Switching Protocols without an Upgrade header")
         if not all(_PROTOCOL_RE.fullmatch(p) for p in protocols):
@@ -1716,21 +1716,23 @@ class ResponseFramer:
             raise UpstreamResponseError(
                 "101 Switching Protocols to a protocol that was not offered"
             )
-        tokens = _connection_tokens(_index(fields), None)
+        tokens = _connection_tokens(index, None)
         kept = _next_hop_fields(fields, tokens, _HOP_BY_HOP_AND_LENGTH)
         kept.extend([("Upgrade", ", ".join(protocols)), ("Connection", "Upgrade")])
         self._phase = _PHASE_UPGRADED
         self._trailing += self._lines.take()
         return Upgraded(tuple(kept), _serialize(_status_text(status), kept))
 
-    def _informational_event(self, status: _StatusLine, fields: Fields) -> InformationalResponse:
+    def _informational_event(
+        self, status: _StatusLine, fields: Fields, index: _Index
+    ) -> InformationalResponse:
         self._informational += 1
         if self._informational > MAX_INFORMATIONAL_RESPONSES:
             raise UpstreamResponseError("too many 1xx responses")
         # A 1xx has no body (RFC 9112 §6.3) and must carry no framing field
         # (RFC 9110 §8.6, RFC 9112 §6.1), but a malformed one is refused as on
         # any response: a lenient client behind us could still read it.
-        _response_framing(self._request, status, fields)
+        _response_framing(self._request, status, index)
         # RFC 9110 §15.2: no 1xx to an HTTP/1.0 client. A 100 goes only to a
         # client that asked for it: some clients take an unexpected one for
         # the final answer.
@@ -1739,13 +1741,13 @@ class ResponseFramer:
         )
         if not relay:
             return InformationalResponse(status.status, b"")
-        tokens = _connection_tokens(_index(fields), None)
+        tokens = _connection_tokens(index, None)
         kept = _next_hop_fields(fields, tokens, _HOP_BY_HOP_AND_LENGTH)
         return InformationalResponse(status.status, _serialize(_status_text(status), kept))
 
-    def _final_head(self, status: _StatusLine, fields: Fields) -> ResponseHead:
-        self._body, self._remaining, length = _response_framing(self._request, status, fields)
-        tokens = _connection_tokens(_index(fields), None)
+    def _final_head(self, status: _StatusLine, fields: Fields, index: _Index) -> ResponseHead:
+        self._body, self._remaining, length = _response_framing(self._request, status, index)
+        tokens = _connection_tokens(index, None)
         self._persistent = (
             status.version == HTTP_11
             and "close" not in tokens
@@ -1829,14 +1831,13 @@ def _status_text(status: _StatusLine) -> str:
 
 
 def _response_framing(
-    request: RequestHead, status: _StatusLine, fields: Fields
+    request: RequestHead, status: _StatusLine, index: _Index
 ) -> tuple[_UpstreamBody, int, int | None]:
     """(body kind, bytes to read, Content-Length to show), per RFC 9112 §6.3.
 
     The framing fields are checked even when the status means no body, so a
     malformed response is refused the same way whatever the request was.
     """
-    index = _index(fields)
     te = index.get("transfer-encoding")
     cl = index.get("content-length")
     if te is not None and cl is not None:
