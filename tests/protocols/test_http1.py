@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import dataclasses
 import itertools
 import re
 import subprocess
@@ -413,6 +414,39 @@ def test_head_fields() -> None:
     )
     assert head.header("X-a") == ["one", "two"]
     assert head.header("missing") == []
+
+
+def test_a_head_answers_from_its_own_fields() -> None:
+    """Each head keeps the field index its parser built; a head rebuilt from rewritten
+    fields (as proxy/terminate.py does with a secret's value) answers from those fields,
+    never from the index of the head it was made from, nor of the head parsed last."""
+    first = accept(req("GET http://example.com/ HTTP/1.1", "Proxy-Authorization: Basic old"))
+    second = accept(req("GET http://example.com/ HTTP/1.1", "Proxy-Authorization: Basic two"))
+    assert first.header("proxy-authorization") == ["Basic old"]
+    assert second.header("Proxy-Authorization") == ["Basic two"]
+    rewritten = (("Host", "other.example"), ("Proxy-Authorization", "Basic new"), ("X-B", "b"))
+    rebuilt = RequestHead(
+        method=first.method,
+        version=first.version,
+        kind=first.kind,
+        authority=first.authority,
+        body=first.body,
+        expect_continue=first.expect_continue,
+        keep_alive=first.keep_alive,
+        target=first.target,
+        origin_target=first.origin_target,
+        headers=rewritten,
+        connection_tokens=first.connection_tokens,
+        upgrade=first.upgrade,
+    )
+    assert rebuilt.header("proxy-authorization") == ["Basic new"]
+    assert rebuilt.header("host") == ["other.example"] and rebuilt.header("x-b") == ["b"]
+    replaced = dataclasses.replace(first, headers=rewritten)
+    assert replaced.header("Host") == ["other.example"]
+    assert first.header("proxy-authorization") == ["Basic old"]  # the original is unchanged
+    # What a caller does with the returned list never reaches the head.
+    first.header("proxy-authorization").append("mine")
+    assert first.header("proxy-authorization") == ["Basic old"]
 
 
 def test_repr_hides_target_and_headers() -> None:
