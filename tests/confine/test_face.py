@@ -234,14 +234,9 @@ RESULTS = frozenset(
 #   Folding them into `finish` moves the environment policy (--env-policy, --grant, a
 #   secret's placeholders) behind the face in one step that was not done yet. report_row
 #   (confine/syscall_table.py) is a line of the --report table, a result read after the run.
-# - layers: the staged layer's apply (the way back) is the runner's duty at the run's end, but
-#   its walker lives in confine/staging.py with the held-back table and openat2 the launcher's
-#   world shares; the cut is the apply half (Journal, Target, apply_tree, list_tree) moving to
-#   the runner and openat2 to fs/, with tests/confine/test_staging*.py following it.
 STILL_BYPASSING = {
     "assemble": {"child_environment", "held_back", "proxy_variables", "plan_caches",
                  "resolve_command", "report_row"},
-    "layers": {"apply_tree", "list_tree", "remove_journal_temp"},
 }  # fmt: skip
 
 

@@ -32,7 +32,7 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from egressbox.confine.grants import SHELL_STARTUP
@@ -746,6 +746,50 @@ def list_tree(upper_fd: int, target: Target) -> Outcome:
     work = _Apply(target, journal=Journal(-1), selection=Selection(), dry_run=True)
     work.walk(upper_fd, target.root_fd, ())
     return work.outcome
+
+
+def apply_layer(
+    layer_fd: int,
+    targets: Sequence[Target],
+    open_upper: Callable[[int], int],
+    selections: Mapping[int, Selection] | None = None,
+) -> Outcome:
+    """The way back for a whole layer (its directory: `layer_fd`, which holds the journal):
+    a copy an earlier apply left in flight is removed first, then each root's upper
+    (`open_upper(number)`, closed here) is applied through the gate. With `selections`, a
+    root nothing is named below is left as it is."""
+    journal = Journal(layer_fd)
+    remove_journal_temp(journal, targets)
+    total = Outcome([], [], [], [])
+    for target in targets:
+        selection = None if selections is None else selections.get(target.number)
+        if selections is not None and selection is None:
+            continue
+        upper = open_upper(target.number)
+        try:
+            _add(total, apply_tree(upper, target, journal, selection))
+        finally:
+            os.close(upper)
+    return total
+
+
+def list_layer(targets: Sequence[Target], open_upper: Callable[[int], int]) -> Outcome:
+    """What apply_layer would do, changing nothing (`egressbox changes`)."""
+    total = Outcome([], [], [], [])
+    for target in targets:
+        upper = open_upper(target.number)
+        try:
+            _add(total, list_tree(upper, target))
+        finally:
+            os.close(upper)
+    return total
+
+
+def _add(total: Outcome, done: Outcome) -> None:
+    total.applied.extend(done.applied)
+    total.held.extend(done.held)
+    total.failed.extend(done.failed)
+    total.skipped.extend(done.skipped)
 
 
 def remove_journal_temp(journal: Journal, targets: Sequence[Target]) -> None:

@@ -93,9 +93,7 @@ def _give_uppers(
     """run --user: overlayfs shows each upper's top directory as the root's own, so it is
     NAME's (the command writes there as NAME; the layer's directory stays root's, 0700)."""
     for target in targets:
-        fd = os.open(
-            f"u{target.number}", os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=layer.fd
-        )
+        fd = layer.open_upper(target.number)
         try:
             os.fchown(fd, *owner)
         finally:

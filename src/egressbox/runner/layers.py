@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from egressbox.confine import staging
+from egressbox.confine import face, staging
 from egressbox.confine.grants import is_under
 from egressbox.core.errors import EgressboxError
 from egressbox.runner import own_state
@@ -81,6 +81,10 @@ class Layer:
             )
             for r in self.meta.get("roots", ())
         ]
+
+    def open_upper(self, number: int) -> int:
+        """Root `number`'s upper directory (what the command wrote there), never through a link."""
+        return os.open(f"u{number}", _DIR, dir_fd=self.fd)
 
     def spec(self, direct: Sequence[str]) -> staging.StagingSpec:
         layers = tuple(
@@ -318,37 +322,15 @@ def apply(
 ) -> staging.Outcome:
     """Apply the layer to `targets` (handles taken before the child started, for a run), under
     the layer's lock; a copy left in flight by a killed apply is removed first."""
-    total = staging.Outcome([], [], [], [])
     with locked(layer):
-        journal = staging.Journal(layer.fd)
         layer.set_state(APPLYING)
-        staging.remove_journal_temp(journal, targets)
-        for target in targets:
-            selection = None if selections is None else selections.get(target.number)
-            if selections is not None and selection is None:
-                continue  # nothing named below this root
-            upper = os.open(f"u{target.number}", _DIR, dir_fd=layer.fd)
-            try:
-                done = staging.apply_tree(upper, target, journal, selection)
-            finally:
-                os.close(upper)
-            for mine, theirs in zip(total, done, strict=True):
-                mine.extend(theirs)  # type: ignore[attr-defined]
+        total = face.apply_layer(layer.fd, targets, layer.open_upper, selections)
         _settle(layer)
     return total
 
 
 def changes(layer: Layer, targets: Sequence[staging.Target]) -> staging.Outcome:
-    total = staging.Outcome([], [], [], [])
-    for target in targets:
-        upper = os.open(f"u{target.number}", _DIR, dir_fd=layer.fd)
-        try:
-            done = staging.list_tree(upper, target)
-        finally:
-            os.close(upper)
-        for mine, theirs in zip(total, done, strict=True):
-            mine.extend(theirs)  # type: ignore[attr-defined]
-    return total
+    return face.layer_changes(targets, layer.open_upper)
 
 
 def _settle(layer: Layer) -> None:
