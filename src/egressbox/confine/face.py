@@ -54,6 +54,11 @@ from egressbox.confine.grants import (
     wanted,
 )
 from egressbox.confine.launcher import LaunchPlan, give_directories
+
+# The way back (runner/layers.py): what a run left in its staged layer, applied to the host
+# through the gate, or listed. The launcher loads confine/staging.py already.
+from egressbox.confine.staging import apply_layer as apply_layer  # noqa: PLC0414 (re-exported)
+from egressbox.confine.staging import layer_changes as layer_changes  # noqa: PLC0414
 from egressbox.core.errors import EgressboxError
 
 if TYPE_CHECKING:
@@ -65,7 +70,7 @@ if TYPE_CHECKING:
     from egressbox.confine.notify import Notifications as Notifications  # noqa: PLC0414 (used as face.Notifications)
     from egressbox.confine.probe import Mechanism as HostMechanism
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord, SeccompKill
-    from egressbox.confine.staging import Outcome, Selection, StagingSpec, Target
+    from egressbox.confine.staging import StagingSpec
     from egressbox.confine.toolchains import CacheMode, CacheRoot
 
 
@@ -850,31 +855,6 @@ def become_launcher(plan: LaunchPlan, chan_fd: int) -> NoReturn:
     from egressbox.confine.launcher import launcher_main
 
     launcher_main(plan, chan_fd)
-
-
-# -- the way back: a staged layer applied to the host through the gate (runner/layers.py) ----
-
-
-def apply_layer(
-    layer_fd: int,
-    targets: Sequence[Target],
-    open_upper: Callable[[int], int],
-    selections: Mapping[int, Selection] | None = None,
-) -> Outcome:
-    """Apply what a run left in its layer (directory `layer_fd`) to the host roots `targets`
-    (handles taken before the child started) through the gate (confine/staging.py): from
-    descriptors, beneath each root, holding back what the host would run or trust. A copy
-    an earlier apply left in flight is removed first; `selections` narrows it to paths."""
-    from egressbox.confine import staging
-
-    return staging.apply_layer(layer_fd, targets, open_upper, selections)
-
-
-def layer_changes(targets: Sequence[Target], open_upper: Callable[[int], int]) -> Outcome:
-    """What apply_layer would do, changing nothing (`egressbox changes`)."""
-    from egressbox.confine import staging
-
-    return staging.list_layer(targets, open_upper)
 
 
 # -- judging a failed run (runner/supervise.py): what its plan meant for paths ----------------

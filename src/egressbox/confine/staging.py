@@ -773,7 +773,7 @@ def apply_layer(
     return total
 
 
-def list_layer(targets: Sequence[Target], open_upper: Callable[[int], int]) -> Outcome:
+def layer_changes(targets: Sequence[Target], open_upper: Callable[[int], int]) -> Outcome:
     """What apply_layer would do, changing nothing (`egressbox changes`)."""
     total = Outcome([], [], [], [])
     for target in targets:
