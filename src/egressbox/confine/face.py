@@ -15,6 +15,9 @@ workspace's layer. `launch` forks the launcher (confine/launcher.py) with it.
 
 The mechanisms are chosen once, here: `finish` takes them from the Plan, never from the caller.
 The scratch space itself is made by named set-up steps (`make_scratch`, `private_scratch`).
+The Run's inputs are built on the Plan through the face too (`environment`, `resolve_command`,
+`plan_caches`), and so is the way back: `apply_layer` and `layer_changes` walk what a run left
+in its staged layer and apply it to the host through the gate (confine/staging.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from egressbox.confine import netns
+from egressbox.confine.executable import resolve_command as resolve_command  # noqa: PLC0414
 from egressbox.confine.grants import (
     ADMIT_HINT,
     CAPTURE_FILES,
@@ -54,19 +58,23 @@ from egressbox.confine.grants import (
     wanted,
 )
 from egressbox.confine.launcher import LaunchPlan, give_directories
-
-# The way back (runner/layers.py): what a run left in its staged layer, applied to the host
-# through the gate, or listed. The launcher loads confine/staging.py already.
-from egressbox.confine.staging import apply_layer as apply_layer  # noqa: PLC0414 (re-exported)
+from egressbox.confine.staging import apply_layer as apply_layer  # noqa: PLC0414
 from egressbox.confine.staging import layer_changes as layer_changes  # noqa: PLC0414
+from egressbox.confine.toolchains import plan_caches as plan_caches  # noqa: PLC0414
 from egressbox.core.errors import EgressboxError
+
+# Re-exported above as the face's own (`X as X`; light modules the launcher or the runner
+# loads anyway): the command on the child's PATH and what it needs (confine/executable.py),
+# the toolchains' caches of a child's environment (confine/toolchains.py), and the way back
+# (runner/layers.py): what a run left in its staged layer, applied to the host through the
+# gate (confine/staging.py), or listed.
 
 if TYPE_CHECKING:
     # Types only: a launcher forked ahead of time (runner/zygote.py) loads this module, and
     # the environment's module (~3 ms) is nothing it needs.
     from egressbox.confine.cgroup import CgroupPlan
     from egressbox.confine.clean import CleanCopies
-    from egressbox.confine.env import Scratch
+    from egressbox.confine.env import EnvPolicy, HeldBack, Scratch
     from egressbox.confine.notify import Notifications as Notifications  # noqa: PLC0414 (used as face.Notifications)
     from egressbox.confine.probe import Mechanism as HostMechanism
     from egressbox.confine.refusal import HostPath, PathPlan, RefusalRecord, SeccompKill
@@ -657,6 +665,57 @@ def namespace_blocker() -> str:
 
     found = find()
     return found.line() if found is not None else ""
+
+
+# -- the child's inputs, built on the Plan before `finish` ---------------------------------
+
+
+class ChildEnvironment(NamedTuple):
+    """The environment a confined command starts with (confine/env.py)."""
+
+    env: dict[str, str]  # without the proxy variables
+    # The proxy variables as templates ({http}, {socks}): the launcher fills in the ports.
+    templates: dict[str, str]
+    held: HeldBack  # what the caller's environment kept back: names, never values
+
+
+def environment(
+    planned: Plan,
+    base: Mapping[str, str],
+    *,
+    policy: EnvPolicy,
+    grants: Mapping[str, str | None],
+    remove: Sequence[str],
+    scratch: Scratch | None,
+    writable: Sequence[str],
+) -> ChildEnvironment:
+    """The child's environment under `planned`'s profile: `base` (the caller's) passed
+    through the environment policy, `grants` (--env NAME[=VALUE]) and `remove`, pointed at
+    the scratch space and the proxy (pure)."""
+    from egressbox.confine.env import PORT_TEMPLATES, child_environment, held_back, proxy_variables
+
+    env = child_environment(
+        base,
+        policy=policy,
+        grants=grants,
+        proxy=PORT_TEMPLATES,
+        scratch=scratch,
+        profile=planned.profile.value,
+        remove=remove,
+        writable=writable,
+    )
+    templates = {name: env.pop(name) for name in proxy_variables(PORT_TEMPLATES)}
+    return ChildEnvironment(
+        env, templates, held_back(base, policy=policy, grants=grants, remove=remove)
+    )
+
+
+def seccomp_row() -> str:
+    """The run report's seccomp detail: the allow list's size and the measurement behind it
+    (loaded only for a report)."""
+    from egressbox.confine.syscall_table import report_row
+
+    return report_row()
 
 
 # -- set-up with I/O before the fork --------------------------------------------------------

@@ -19,14 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from egressbox.confine import face
-from egressbox.confine.env import (
-    PORT_TEMPLATES,
-    Scratch,
-    child_environment,
-    held_back,
-    proxy_variables,
-)
-from egressbox.confine.executable import Executable, resolve_command
+from egressbox.confine.env import Scratch
+from egressbox.confine.executable import Executable
 from egressbox.confine.grants import (
     DEFAULT_PROFILE,
     Enforcement,
@@ -40,7 +34,7 @@ from egressbox.confine.grants import (
     wanted,
 )
 from egressbox.confine.launcher import LaunchPlan
-from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot, plan_caches
+from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot
 from egressbox.core.errors import EgressboxError
 from egressbox.runner.account import Account
 from egressbox.runner.account import environment as user_environment
@@ -212,7 +206,7 @@ def prepare(options: RunOptions, facts: HostFacts) -> Prepared:
         read_only=options.read_only_workspace,
         git=files,
     )
-    executable = resolve_command(options.argv[0], base, cwd)
+    executable = face.resolve_command(options.argv[0], base, cwd)
     _check_cwd(cwd, layout, options, executables=executable.grants, files=files)
     if files:
         refuse_outside_parent(base.get(ENV_ROOTS), layout, options, home)
@@ -246,13 +240,9 @@ class _Start(NamedTuple):
 
 def _prepare(options: RunOptions, facts: HostFacts, start: _Start) -> Prepared:
     base, home, chosen = start.base, start.home, start.planned.mechanisms
-    profile = start.planned.profile
     warnings, layout, executable = start.warnings, start.layout, start.executable
     scratch, files = start.scratch, start.planned.files
-    env, templates = _environment(options, base, scratch, profile, layout.writable)
-    held = held_back(
-        base, policy=options.env_policy, grants=options.grants, remove=options.env_remove
-    )
+    env, templates, held = _environment(options, base, start.planned, scratch, layout.writable)
     warnings += [line for line in (held.notice(),) if line]
     deny = face.credential_paths(home, env.get("HOME")) + tuple(
         os.path.normpath(expand_user(p, home)) for p in options.deny
@@ -589,26 +579,25 @@ _PARENT_ROOTS_SHOWN = 6
 def _environment(
     options: RunOptions,
     base: Mapping[str, str],
+    planned: face.Plan,
     scratch: Scratch | None,
-    profile: Profile,
     writable: tuple[str, ...] = (),
-) -> tuple[dict[str, str], dict[str, str]]:
-    """The child's environment, and the proxy variables the launcher fills in."""
-    env = child_environment(
+) -> face.ChildEnvironment:
+    """The child's environment, the proxy variables the launcher fills in, and what was
+    held back of the caller's."""
+    made = face.environment(
+        planned,
         base,
         policy=options.env_policy,
         grants=options.grants,
-        proxy=PORT_TEMPLATES,
-        scratch=scratch,
-        profile=profile.value,
         remove=options.env_remove,
+        scratch=scratch,
         writable=writable,
     )
-    templates = {name: env.pop(name) for name in proxy_variables(PORT_TEMPLATES)}
     if options.allow_loopback and not {"NO_PROXY", "no_proxy"} & set(options.grants):
         # The child's own servers on its private lo are reached directly.
-        env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
-    return env, templates
+        made.env["NO_PROXY"] = made.env["no_proxy"] = "localhost,127.0.0.1,::1"
+    return made
 
 
 def _collect_roots(
@@ -750,7 +739,7 @@ def _toolchain_env(
     simply used, and granted as nothing.
     """
     mode = CacheMode(options.toolchain_cache)
-    caches = plan_caches(
+    caches = face.plan_caches(
         env,
         home=home,
         scratch=scratch.cache if scratch else None,
@@ -1297,9 +1286,7 @@ def _held(applied: Mapping[str, Any]) -> dict[Mechanism, tuple[Enforcement, str]
     captured = (applied.get("capture") or {}).get("status") == "full"
     udp = "UDP sockets allowed: captured, they reach only the DNS address" if captured else ""
     if seccomp in {"full", "partial"}:
-        from egressbox.confine.syscall_table import report_row
-
-        udp = "; ".join(filter(None, (report_row(), udp)))
+        udp = "; ".join(filter(None, (face.seccomp_row(), udp)))
     detail = f"constructed root ({len(world.get('steps') or ())} steps)"
     return {
         Mechanism.NETWORK_NAMESPACE: (full if "net" in ns else none, ""),
