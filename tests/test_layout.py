@@ -10,6 +10,7 @@ import os
 import runpy
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,91 @@ def test_the_compiled_modules_keep_no_per_connection_state_at_module_level() -> 
     }
     assert sorted(found - set(PROCESS_WIDE)) == []
     assert sorted(set(PROCESS_WIDE) - found) == [], "PROCESS_WIDE names state that is gone"
+
+
+# -- an import inside a function defers a load, or it is at the top -------------------------
+# A function-level import is a start-up trick (a module the common path never needs, loaded
+# when first used) or keeps a forked launcher light; one of a module that its own module-level
+# imports load anyway defers nothing, and only hides what the module depends on.
+
+
+def _names_loaded(node: ast.Import | ast.ImportFrom, modules: Iterable[str]) -> set[str]:
+    """The modules an import statement loads: each named one with its parent packages."""
+    named = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    if isinstance(node, ast.ImportFrom):
+        named += [f"{node.module}.{a.name}" for a in node.names]
+    loaded = set()
+    for name in named:
+        if isinstance(node, ast.ImportFrom) and name != node.module and name not in modules:
+            continue  # a name from the module, not a submodule
+        parts = name.split(".")
+        loaded |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return loaded
+
+
+def _top_imports(tree: ast.Module, modules: Iterable[str]) -> set[str]:
+    """What a module's own import loads, by its unconditional module-level imports (a try
+    block's body counts; `if TYPE_CHECKING` and other conditions do not)."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for statement in body:
+            if isinstance(statement, ast.Import | ast.ImportFrom) and not getattr(
+                statement, "level", 0
+            ):
+                found.update(_names_loaded(statement, modules))
+            elif isinstance(statement, ast.Try):
+                visit(statement.body)
+
+    visit(tree.body)
+    return found
+
+
+def pointless_lazy_imports(sources: dict[str, str]) -> list[str]:
+    """`module:line target` for each import inside a function of a module already loaded
+    when that module is imported (its own top-level imports, followed through ours)."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    tops = {name: _top_imports(tree, sources) for name, tree in trees.items()}
+    found = []
+    for name, tree in trees.items():
+        parts = name.split(".")
+        loaded = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+        todo = list(loaded)
+        while todo:
+            for target in tops.get(todo.pop(), ()):
+                if target not in loaded:
+                    loaded.add(target)
+                    todo.append(target)
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
+                    wanted = _names_loaded(node, sources)
+                    if wanted <= loaded:
+                        found.append(f"{name}:{node.lineno} {max(wanted, key=len)}")
+    return sorted(found)
+
+
+def test_an_import_inside_a_function_defers_a_load() -> None:
+    sources = {name: path.read_text(encoding="utf-8") for name, path in _modules().items()}
+    assert pointless_lazy_imports(sources) == []
+
+
+def test_a_lazy_import_that_defers_nothing_is_found() -> None:
+    sources = {
+        "egressbox": "",
+        "egressbox.a": "import json\nfrom egressbox import b\n",
+        "egressbox.b": "import re\n",
+        "egressbox.c": "",
+        "egressbox.d": "if TYPE_CHECKING:\n    import zlib\n",
+    }
+    sources["egressbox.a"] += (
+        "def f():\n    import json\n    import re\n    from egressbox import c\n"
+        "    from egressbox.b import X\n    import zlib\n"
+    )
+    assert pointless_lazy_imports(sources) == [
+        "egressbox.a:4 json",
+        "egressbox.a:5 re",
+        "egressbox.a:7 egressbox.b",
+    ]

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+import egressbox
 from egressbox.cli.options import add_upstream, terminal_columns
 from egressbox.core.exitcodes import EXIT_OK, EXIT_USAGE
 
@@ -99,8 +100,6 @@ def _doctor_upstream(args: argparse.Namespace) -> dict[str, Any]:
 
 def _core_line() -> str:
     """Whether the proxy core runs compiled, and how to get it if not."""
-    import egressbox
-
     if egressbox.compiled_core():
         return "compiled (mypyc)"
     if os.environ.get(egressbox.PURE_ENV) == "1":

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from egressbox.confine.env import parse_grant
 from egressbox.confine.executable import CommandNotFoundError
-from egressbox.core.errors import EgressboxError
-from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND
+from egressbox.core.errors import AuditError, EgressboxError, PolicyError, print_policy_error
+from egressbox.core.exitcodes import EXIT_CANNOT_CONFINE, EXIT_NOT_FOUND, EXIT_USAGE
+from egressbox.fs.held import HeldFile
 from egressbox.runner.api import run_options_sync
+from egressbox.runner.gate import report_lines
 from egressbox.runner.options import (
     RunOptions,
     RunRefusedError,
@@ -20,7 +22,9 @@ from egressbox.runner.options import (
     options_for,
     write_err,
 )
+from egressbox.runner.project import PROJECT_POLICY, find_project_root, is_trusted, remember
 from egressbox.runner.spawn import LaunchFailedError
+from egressbox.runner.supervise import unix_refused_line
 
 if TYPE_CHECKING:
     from egressbox.audit.record import AuditSink
@@ -29,9 +33,6 @@ if TYPE_CHECKING:
 
 def run_command(args: Any, argv: list[str]) -> int:
     """`egressbox run`: the CLI front of run_sync (no asyncio imported before the fork)."""
-    from egressbox.core.errors import AuditError
-    from egressbox.core.exitcodes import EXIT_USAGE
-
     if _project_policy(args) is not None:
         return EXIT_USAGE
     settings = _cli_run_settings(args)
@@ -68,9 +69,6 @@ def run_command(args: Any, argv: list[str]) -> int:
 def _end_lines(args: Any, result: RunResult) -> None:
     """What the run's end says on stderr: trusted files put right, its way back, and (not
     with --quiet) the unix socket connects refused outside the grants."""
-    from egressbox.runner.gate import report_lines
-    from egressbox.runner.supervise import unix_refused_line
-
     for line in result.created_trusted:
         write_err(f"warning: {line}")
     lines = report_lines(result)
@@ -99,11 +97,9 @@ def _cli_policy(args: Any) -> Policy | None:
     from egressbox.core.policy import load_policy_or_environment
 
     policy = load_policy_or_environment(args.policy)
-    if args.policy and not getattr(args, "project_policy", False):
-        from egressbox.runner.project import PROJECT_POLICY, remember
-
-        if os.path.basename(args.policy) == PROJECT_POLICY:
-            remember(args.policy)  # runs without --policy may now use this version
+    own = args.policy and not getattr(args, "project_policy", False)
+    if own and os.path.basename(args.policy) == PROJECT_POLICY:
+        remember(args.policy)  # runs without --policy may now use this version
     if policy is None:
         write_err(
             "warning: no policy: every destination is denied "
@@ -158,7 +154,6 @@ def _project_policy(args: Any) -> int | None:
     or a command run here earlier, could have written it). None: go on."""
     if args.policy:
         return None
-    from egressbox.runner.project import find_project_root, is_trusted
 
     found = find_project_root(os.path.realpath(os.getcwd())).policy
     if found is None:
@@ -180,15 +175,11 @@ def _cli_run_settings(args: Any) -> RunSettings | int | None:
     the sandbox); the rest of the policy loads while the launcher starts."""
     if not args.policy:
         return None
-    from egressbox.core.errors import PolicyError
     from egressbox.core.policy import load_run_settings
 
     try:
         return load_run_settings(args.policy)
     except PolicyError as exc:
-        from egressbox.core.errors import print_policy_error
-        from egressbox.core.exitcodes import EXIT_USAGE
-
         print_policy_error(exc, sys.stderr)
         return EXIT_USAGE
 
@@ -229,8 +220,6 @@ def _asking(args: Any) -> dict[str, Any] | None:
     if not (args.ask or args.ask_command):
         return {}
     if args.ask:
-        import os
-
         if not os.isatty(0):
             write_err("--ask asks at the terminal, and stdin is not one: use --ask-command CMD")
             return None
@@ -254,7 +243,6 @@ def _hold_save_approved(args: Any) -> bool:
     if not (args.ask or args.ask_command):
         write_err("--save-approved needs --ask or --ask-command")
         return False
-    from egressbox.fs.held import HeldFile
 
     try:
         args.save_approved_held = HeldFile(args.save_approved)
@@ -329,8 +317,6 @@ def _diagnostic(line: str) -> None:
 
 def _exit_code(exc: Exception) -> int:
     """The code of a run that ended before its command could (said on stderr)."""
-    from egressbox.core.exitcodes import EXIT_USAGE
-
     if isinstance(exc, LaunchFailedError):  # its code says the cause (the proxy's bind: 121)
         return exc.code
     if isinstance(exc, CommandNotFoundError):
@@ -341,7 +327,6 @@ def _exit_code(exc: Exception) -> int:
 def _run_reporting_errors(
     options: RunOptions, audit: AuditSink | None, args: Any
 ) -> RunResult | int:
-    from egressbox.core.errors import PolicyError
     from egressbox.core.secrets import SecretError
 
     try:
@@ -352,9 +337,6 @@ def _run_reporting_errors(
             policy_loader=lambda: _cli_policy(args),
         )
     except PolicyError as exc:
-        from egressbox.core.errors import print_policy_error
-        from egressbox.core.exitcodes import EXIT_USAGE
-
         print_policy_error(exc, sys.stderr)
         return EXIT_USAGE
     except RunRefusedError as exc:

@@ -7,6 +7,7 @@ what gettext would have returned.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import types
 from typing import Any
@@ -56,7 +57,6 @@ def untranslated_argparse() -> None:
     each call (eight stat calls): about 25 calls while the parser is built. When there is no
     catalog (Debian's Python ships none for argparse) the translation is the text itself, so
     look once and pass the text through."""
-    import argparse
     import gettext
 
     domain = gettext.textdomain()

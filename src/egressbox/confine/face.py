@@ -23,13 +23,15 @@ in its staged layer and apply it to the host through the gate (confine/staging.p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
 import socket
 import stat
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
-from egressbox.confine import netns
+from egressbox.confine import cgroup, launcher, netns
 from egressbox.confine.executable import resolve_command as resolve_command  # noqa: PLC0414
 from egressbox.confine.grants import (
     ADMIT_HINT,
@@ -38,6 +40,7 @@ from egressbox.confine.grants import (
     DEFAULT_PRESETS,
     HOST_NEEDS,
     PACKAGE_MANAGER_CONFIG,
+    PRESETS,
     PROC_NET_UNIX,
     REQUIREMENT_FALLBACK,
     USER_TEMP,
@@ -57,7 +60,7 @@ from egressbox.confine.grants import (
     tmpfs_sizes,
     wanted,
 )
-from egressbox.confine.launcher import LaunchPlan, give_directories
+from egressbox.confine.launcher import LaunchPlan, give_directories, launcher_main
 from egressbox.confine.staging import apply_layer as apply_layer  # noqa: PLC0414
 from egressbox.confine.staging import layer_changes as layer_changes  # noqa: PLC0414
 from egressbox.confine.toolchains import plan_caches as plan_caches  # noqa: PLC0414
@@ -350,8 +353,6 @@ def _unix_grants(launcher: LaunchPlan, socket_roots: Sequence[str], host: HostRe
 
 def roots_json(fs: FsPlan, sockets: Sequence[str]) -> str:
     """What this run grants, for a run nested in it (its EGRESSBOX_ROOTS)."""
-    import json
-
     write = list(dict.fromkeys(fs.write))
     read = [p for p in dict.fromkeys((*fs.read, *sockets)) if p not in fs.deny]
     return json.dumps({"write": write, "read": read}, separators=(",", ":"))
@@ -421,8 +422,6 @@ def _launcher(  # noqa: PLR0917 (the launch's own ends, in the child)
     fds: Mapping[int, int],
     in_child: Callable[[], None] | None,
 ) -> NoReturn:
-    from egressbox.confine.launcher import launcher_main
-
     parent_chan.close()
     os.close(report_r)
     for target, source in fds.items():
@@ -447,8 +446,6 @@ def credential_paths(home: str, child_home: str | None = None) -> tuple[str, ...
 
 def preset_paths(presets: Sequence[str], home: str) -> tuple[str, ...]:
     """The paths the named presets grant, under `home`."""
-    from egressbox.confine.grants import PRESETS
-
     return tuple(expand_user(p, home) for name in presets for p in PRESETS.get(name, ()))
 
 
@@ -628,7 +625,6 @@ def probe_cgroup(budget: int | None, max_processes: int | None) -> tuple[CgroupP
     """The run's memory budget as a cgroup where the host delegates one, or why not."""
     if budget is None:
         return None, "the host's memory size is unknown"
-    from egressbox.confine import cgroup
 
     return cgroup.probe(budget, max_processes, f"{cgroup.PREFIX}{os.getpid()}")
 
@@ -883,8 +879,6 @@ def compile_seccomp(*, allow_udp: bool) -> bytes:
 
 def die_with_parent() -> None:
     """SIGKILL this process when its parent dies (a launcher forked ahead of time)."""
-    import signal
-
     from egressbox.confine import syscalls
 
     syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -904,15 +898,11 @@ def preload_launcher() -> None:
 
 def walk_etc_early() -> None:
     """The launcher's walk of /etc (the entries only their owner may read), done ahead."""
-    from egressbox.confine import launcher
-
     launcher.walk_etc_early()
 
 
 def become_launcher(plan: LaunchPlan, chan_fd: int) -> NoReturn:
     """This process becomes the launcher of `plan` (its channel to the parent: `chan_fd`)."""
-    from egressbox.confine.launcher import launcher_main
-
     launcher_main(plan, chan_fd)
 
 

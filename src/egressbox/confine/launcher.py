@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import json
 import os
 import signal
 import socket
@@ -32,9 +34,16 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, NoReturn
 
-from egressbox.confine import netns
+from egressbox.confine import cgroup, netns, staging
 from egressbox.confine.cgroup import CgroupPlan
-from egressbox.confine.grants import CAPTURE_FILES, Mechanism, WorldSpec, is_under
+from egressbox.confine.grants import (
+    CAPTURE_FILES,
+    Mechanism,
+    WorldSpec,
+    expand_excluding,
+    is_under,
+    tmpfs_total,
+)
 from egressbox.confine.staging import StagingSpec
 from egressbox.core.exitcodes import (
     CAUSE_CODES,
@@ -236,13 +245,9 @@ def _launch(plan: LaunchPlan, chan: socket.socket) -> int:
 
 def _enter_cgroup(plan: LaunchPlan) -> str:
     """Into the run's cgroup before anything is forked; "" when there is none (and why)."""
-    from egressbox.confine import cgroup
-
     spec = plan.world
     tmpfs = 0
     if spec is not None and spec.tmp_size.isdigit() and spec.shm_size.isdigit():
-        from egressbox.confine.grants import tmpfs_total
-
         tmpfs = tmpfs_total(int(spec.tmp_size), int(spec.shm_size))
     memory: dict[str, Any] = {"budget": plan.rlimit_data, "rlimit_data": plan.rlimit_data}
     memory["tmpfs"] = tmpfs if plan.has(Mechanism.MOUNT_NAMESPACE) else 0
@@ -260,8 +265,6 @@ def _enter_cgroup(plan: LaunchPlan) -> str:
 
 
 def _leave_cgroup(path: str, plan: LaunchPlan) -> None:
-    from egressbox.confine import cgroup
-
     outcome = cgroup.leave(path)
     if outcome.oom_kills and plan.cgroup is not None:
         budget = plan.cgroup.memory_max
@@ -675,7 +678,6 @@ def _own_terminal() -> None:
     """A new session whose controlling terminal is the run's pty: /dev/tty is that pty, not
     the caller's terminal, and ^C typed there signals the command through its line discipline.
     (fcntl and termios are loaded already: the parent imported them to open the pty.)"""
-    import fcntl
     import termios
 
     os.setsid()
@@ -767,8 +769,6 @@ def give_directories(paths: tuple[str, ...], owner: tuple[int, int]) -> None:
     """chown directories egressbox made for a run to `owner`: each opened with no symbolic
     link anywhere on its path (one planted by an earlier command makes it skipped, never
     followed), changed by descriptor. A missing one is skipped (its maker said why)."""
-    from egressbox.confine import staging
-
     resolve = staging.RESOLVE_NO_SYMLINKS | staging.RESOLVE_NO_MAGICLINKS
     for path in paths:
         try:
@@ -832,7 +832,6 @@ def _report_applied(plan: LaunchPlan) -> None:
     """Tell the parent what holds, as the last step before exec (the pipe closes on exec)."""
     if plan.report_fd < 0:
         return
-    import json
 
     data = json.dumps(_PROGRESS.applied).encode()
     with contextlib.suppress(OSError):
@@ -895,8 +894,6 @@ def _without_mounts(plan: LaunchPlan) -> tuple[tuple[str, ...], tuple[str, ...]]
     read-only one is split the same way, the read-only part granted for reading.
     Entries created later directly in a split directory are not granted.
     """
-    from egressbox.confine.grants import expand_excluding
-
     deny = plan.deny
     read = [p for root in plan.read for p in expand_excluding(root, deny)]
     read_only = plan.read_only_inside_write

@@ -18,6 +18,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
@@ -485,7 +486,6 @@ def entry_point() -> str:
     """The installed `egressbox` script this process runs as, links resolved (what an AppArmor
     profile must name), else the one on PATH, else where packages put it."""
     import shutil
-    import sys
 
     argv0 = sys.argv[0] if sys.argv else ""
     if os.path.basename(argv0) == "egressbox" and os.path.isfile(argv0):

@@ -7,6 +7,8 @@ first) and names its key path and the fix, e.g.
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -250,8 +252,6 @@ def with_upstream(policy: Policy, upstream: UpstreamProxy | None) -> Policy:
     """The same policy chaining through `upstream` (`run --upstream`); the original is
     untouched. Its CIDR indexes are built afresh (dataclasses.replace would refill the
     original's, see suggest.with_mode)."""
-    import dataclasses
-
     fresh = {
         f.name: f.default_factory()
         for f in dataclasses.fields(policy)
@@ -974,8 +974,6 @@ REPORT_MODE_WARNING = (
 
 
 def _rule_address(rule: Rule) -> IPAddress | None:
-    import ipaddress
-
     from egressbox.core.rules import RuleKind
 
     if rule.kind is RuleKind.IP:

@@ -28,7 +28,7 @@ import dns.rdatatype
 import dns.rrset
 
 from egressbox.audit.record import AuditProtocol
-from egressbox.core.decide import Decision, bad_target, parse_target
+from egressbox.core.decide import Decision, bad_target, deny, parse_target
 from egressbox.core.errors import HostError, Reason
 from egressbox.core.synthetic import TTL, ExhaustedError, SyntheticNames, address_of_reverse
 
@@ -145,8 +145,6 @@ class Answerer:
         except HostError as exc:
             decision = bad_target(exc, 0)
         else:
-            from egressbox.core.decide import deny
-
             decision = deny(reason, target, detail)
         return gate_audited(self.state, AuditProtocol.DNS, decision, name, 0, record_port=0)
 

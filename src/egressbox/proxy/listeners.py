@@ -22,9 +22,10 @@ from egressbox.core.errors import AuditError, Reason, Verdict
 from egressbox.core.hosts import INVALID_HOST_TEXT
 from egressbox.core.ip import IPNetwork
 from egressbox.core.local import LOOPBACK_ADDRESSES, LOOPBACK_NAME
+from egressbox.core.synthetic import is_synthetic
 from egressbox.net.deadlines import Deadline, wheel
 from egressbox.net.dial import DialError
-from egressbox.net.original import Destinations
+from egressbox.net.original import Destinations, destination_of
 from egressbox.protocols import http1, socks5
 from egressbox.protocols.proxy_header import (
     ProxyHeader,
@@ -251,9 +252,6 @@ class CapturedConnection(Connection):
         self.begin(host, port, self.early)
 
     def _destination(self) -> tuple[str, int]:
-        from egressbox.core.synthetic import is_synthetic
-        from egressbox.net.original import destination_of
-
         assert self.transport is not None
         sock = self.transport.get_extra_info("socket")
         address, port = destination_of(sock, self.destinations)

@@ -39,7 +39,7 @@ from egressbox.core.synthetic import SyntheticNames
 from egressbox.net.netinfo import local_addresses
 
 # Imported at run time: compiled dataclasses resolve their field types.
-from egressbox.net.resolve import DnsMeter, Resolution, Resolver
+from egressbox.net.resolve import DnsMeter, DnsResolver, Resolution, Resolver
 from egressbox.protocols.proxy_header import parse_trusted
 from egressbox.protocols.upstream import Upstream, credentials_from_env
 from egressbox.proxy.approval import Approvals
@@ -52,7 +52,13 @@ from egressbox.proxy.gate import (
     recheck_session_approved,
     settle_held,
 )
-from egressbox.proxy.listeners import ProxyHeaderConnection, ProxyHeaderGate
+from egressbox.proxy.listeners import (
+    CapturedConnection,
+    HttpConnection,
+    ProxyHeaderConnection,
+    ProxyHeaderGate,
+    SocksConnection,
+)
 from egressbox.proxy.options import ProxyKeywords, ProxyOptions
 from egressbox.proxy.tunnel import Connection
 
@@ -174,8 +180,6 @@ class EgressProxy:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
-        from egressbox.proxy.listeners import HttpConnection, SocksConnection
-
         factories = {"http": HttpConnection, "socks5": SocksConnection}
         try:
             for kind, factory in factories.items():
@@ -195,7 +199,6 @@ class EgressProxy:
     async def _serve_capture(self) -> None:
         """The capture listeners and the DNS sockets of a child's namespace, if given."""
         from egressbox.proxy.dns import Answerer, UdpServer, serve_tcp
-        from egressbox.proxy.listeners import CapturedConnection
 
         state = self.state
         loop = asyncio.get_running_loop()
@@ -518,8 +521,6 @@ class LazyResolver:
 
 
 def _dns_resolver(policy: Policy | None, meter: DnsMeter | None = None) -> Resolver:
-    from egressbox.net.resolve import DnsResolver
-
     if policy is None:
         return DnsResolver(meter=meter)
     dns = policy.dns

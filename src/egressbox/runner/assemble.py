@@ -68,6 +68,9 @@ from egressbox.runner.verify import Guard, snapshot
 if TYPE_CHECKING:
     from egressbox.proxy.broker import Broker
     from egressbox.runner.brokering import RunBrokering
+import json
+
+from egressbox.runner.own_state import STATE_ENV
 from egressbox.runner.workspace import (
     READ_ONLY_SCRATCH,
     Layout,
@@ -548,7 +551,6 @@ def refuse_outside_parent(text: str | None, layout: Layout, options: RunOptions,
 def _parent_roots(text: str | None) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     if not text:
         return None
-    import json
 
     try:
         data = json.loads(text)
@@ -988,7 +990,6 @@ def _refuse_own_state(
     filesystem confinement the child may write whatever the invoker may; nothing to refuse."""
     if not files:
         return
-    from egressbox.runner.own_state import STATE_ENV
 
     # With a mount namespace /tmp and /var/tmp are the child's own, not the host's.
     private = face.private_paths(Mechanism.MOUNT_NAMESPACE in chosen)

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from egressbox.confine.grants import PROBED_MECHANISMS, HostFacts
+from egressbox.core.version import __version__
 
 if TYPE_CHECKING:
     from egressbox.confine.probe import HostSupport, Mechanism
@@ -134,7 +135,6 @@ def probe_key() -> dict[str, str] | None:
     boot = _read("/proc/sys/kernel/random/boot_id")
     if not boot:
         return None
-    from egressbox.core.version import __version__
 
     key = {
         "boot": boot,

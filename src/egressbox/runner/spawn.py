@@ -4,7 +4,9 @@ what it really applied (the report it sends just before exec)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
 import signal
 import socket
 import time
@@ -26,15 +28,16 @@ from egressbox.runner.assemble import (
     Prepared,
     applied_report,
 )
-
-if TYPE_CHECKING:
-    from egressbox.runner.notify import ConnectSupervisor
+from egressbox.runner.facts import forget_facts
 from egressbox.runner.options import KILL_GRACE, LAUNCHER_TIMEOUT, RunOptions, write_err
 from egressbox.runner.terminal import (
     StderrTee,
     TerminalRelay,
     open_stdio,
 )
+
+if TYPE_CHECKING:
+    from egressbox.runner.notify import ConnectSupervisor
 
 
 def confirm(prepared: Prepared, launched: Launched, options: RunOptions) -> None:
@@ -60,8 +63,6 @@ def confirm(prepared: Prepared, launched: Launched, options: RunOptions) -> None
     if gaps:
         # The host probe said these were available and they were not applied: the cached
         # probe is out of date (runner/facts.py); the next run probes afresh.
-        from egressbox.runner.facts import forget_facts
-
         forget_facts()
     if gaps or prepared.network_boundary is not Enforcement.FULL:
         line = (
@@ -221,8 +222,6 @@ class Launched:
         """What the launcher applied, sent just before exec; None if it never got there."""
         if self.report_fd is None:
             return self.applied
-        import json
-        import select
 
         data = b""
         deadline = time.monotonic() + timeout

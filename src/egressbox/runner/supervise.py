@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
+import stat
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from egressbox.confine import face
 from egressbox.confine.grants import (
     Mechanism,
 )
+from egressbox.confine.launcher import FORWARDED
 from egressbox.core.exitcodes import EXIT_TAMPERED, EXIT_TIMEOUT
 from egressbox.runner.assemble import Prepared
 from egressbox.runner.gate import finish
@@ -25,6 +29,7 @@ from egressbox.runner.terminal import (
     DRAIN_TIMEOUT,
     FINAL_READS,
 )
+from egressbox.runner.verify import settle
 
 if TYPE_CHECKING:
     from egressbox.audit.record import AuditRecord, AuditSink
@@ -210,8 +215,6 @@ def _child_pidfds(pid: int) -> list[int]:
 
 
 def _wait_exited(pidfds: Sequence[int], timeout: float) -> None:
-    import select
-
     poller = select.poll()
     for fd in pidfds:
         poller.register(fd, select.POLLIN)
@@ -328,8 +331,6 @@ class _Collector:
 async def _wait_forwarding(loop: Any, launched: Launched) -> None:
     """Wait until the launcher exits (pidfd; the caller reaps it), passing
     SIGINT/SIGTERM/SIGHUP on to it."""
-    from egressbox.confine.launcher import FORWARDED
-
     pid = launched.pid
     timer: list[Any] = []
 
@@ -381,7 +382,6 @@ def classify_refusal(
     without the proxy. A command that failed for its own reasons (`false`, a failing test
     suite, a missing file the host lacks too, SIGINT) gets no record.
     """
-    from egressbox.confine import face
     from egressbox.confine.refusal import SOURCE_AUDIT, Boundary, RefusalRecord
 
     denied = [r for r in records if r.decision.value == "deny"]
@@ -397,8 +397,6 @@ def classify_refusal(
 
 def path_plan(prepared: Prepared) -> PathPlan:
     """The filesystem side of the plan the launcher applied, for judging refusals."""
-    from egressbox.confine import face
-
     return face.refusal_view(
         prepared.plan,
         homes=prepared.homes,
@@ -410,8 +408,6 @@ def path_plan(prepared: Prepared) -> PathPlan:
 
 def host_path(path: str) -> HostPath:
     """What the host says about a path the command named (stat only, never opened)."""
-    import stat
-
     from egressbox.confine.refusal import HostPath
 
     parent = os.path.isdir(os.path.dirname(path))
@@ -431,8 +427,6 @@ def host_path(path: str) -> HostPath:
 def _mode_allows_read(st: os.stat_result) -> bool:
     # By the permission bits alone: a confined root keeps uid 0 but has no
     # capabilities, so it cannot read another user's private files either.
-    import stat
-
     if st.st_uid == os.geteuid():
         return bool(st.st_mode & stat.S_IRUSR)
     if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
@@ -446,12 +440,9 @@ def _exit_before_first_connection(launched: Launched) -> int | None:
     A command that never connects then never pays for starting the proxy;
     one that does waits in the listen backlog for a few milliseconds.
     """
-    import select
 
     def forward(signum: int, _frame: object) -> None:
         launched.forward(signum)
-
-    from egressbox.confine.launcher import FORWARDED
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
     pidfd = os.pidfd_open(launched.pid)
@@ -543,7 +534,6 @@ def _refusal(
 ) -> RefusalRecord | None:
     """The record of a failed run, with Harn's requirement and selector fields; None when
     nothing shows a boundary refused it (the exit status says the rest)."""
-    from egressbox.confine import face
     from egressbox.confine.refusal import Boundary, RefusalRecord
 
     if code == EXIT_SIGSYS:
@@ -574,8 +564,6 @@ KMSG_SLACK = 1.0
 def seccomp_refusal(started: float) -> RefusalRecord:
     """A seccomp record for a command killed by SIGSYS, naming the call when the kernel's
     audit record of the kill can be read (/dev/kmsg: root, or dmesg_restrict=0)."""
-    from egressbox.confine import face
-
     since = started - KMSG_SLACK
     return face.seccomp_refusal(_kernel_log(), since=since, uid=os.getuid(), name=_syscall_name)
 
@@ -637,8 +625,6 @@ def keep_unapplied(prepared: Prepared) -> None:
 def clean_up(prepared: Prepared) -> None:
     """Put host-trusted paths right, remove what was made for this run only (idempotent)."""
     if prepared.guard is not None:
-        from egressbox.runner.verify import settle
-
         settle(prepared.guard)  # once; _created_trusted() says what it did
     if not prepared.cleanup:
         return  # the usual case: shutil (with bz2 and lzma) is not even loaded (~2.5 ms)
@@ -655,8 +641,6 @@ def _created_trusted(prepared: Prepared) -> list[str]:
     namespace) what it changed, is judged after the run (runner/verify.py).
     """
     if prepared.guard is not None:
-        from egressbox.runner.verify import settle
-
         return list(settle(prepared.guard))
     return [
         f"the command created {path}, which the host trusts (it may run code at your next "

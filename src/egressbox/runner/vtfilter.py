@@ -47,6 +47,7 @@ another encoding, where bytes 0x80-0x9F are C1 controls) no byte of 0x80-0x9F pa
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import Final
@@ -461,8 +462,6 @@ def utf8_locale(env: Mapping[str, str] | None = None) -> bool:
     (C, POSIX, unset) counts as UTF-8: Python and most tools write UTF-8 there, and modern
     terminals read it; a locale naming another encoding (or none, as `en_US` means
     ISO-8859-1 to glibc) does not."""
-    import os
-
     source = os.environ if env is None else env
     name = source.get("LC_ALL") or source.get("LC_CTYPE") or source.get("LANG") or ""
     if name in ("", "C", "POSIX"):

@@ -17,6 +17,7 @@ the launcher as before.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import socket
@@ -269,7 +270,6 @@ def _built(value: Any) -> Any:
         _, module, name, flat = value
         if not module.startswith("egressbox."):
             raise ValueError(f"the plan names a class outside egressbox: {module}")
-        import importlib
 
         kind: Any = importlib.import_module(module)
         for part in name.split("."):

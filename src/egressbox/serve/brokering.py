@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Final
 
 from egressbox.core.errors import EgressboxError
 from egressbox.core.policy import Policy
-from egressbox.core.secrets import PLACEHOLDER_PREFIX, RequestRule
+from egressbox.core.secrets import PLACEHOLDER_PREFIX, RequestRule, SecretError
 
 if TYPE_CHECKING:
     from egressbox.proxy.broker import Broker
@@ -60,7 +60,6 @@ def serve_broker(
         return None
     if paths is None:
         raise ServeTlsError(_needs_ca(policy))
-    from egressbox.core.secrets import SecretError
     from egressbox.proxy.broker import Broker
     from egressbox.proxy.ca import CaError, CertificateAuthority
 

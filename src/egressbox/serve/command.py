@@ -31,8 +31,11 @@ from egressbox.core.errors import AuditError, PolicyError, print_policy_error
 from egressbox.core.exitcodes import EXIT_OK, EXIT_RUNTIME, EXIT_START, EXIT_USAGE
 from egressbox.core.limits import MAX_PORT
 from egressbox.core.policy import REPORT_MODE_WARNING, Mode, Policy, load_policy
+from egressbox.core.upstream import parse_upstream
 from egressbox.net.eventloop import run_loop
 from egressbox.net.resolve import parse_nameserver, resolver_for
+from egressbox.protocols.proxy_header import parse_trusted
+from egressbox.protocols.upstream import credentials_from_env
 from egressbox.proxy.approval import DEFAULT_TIMEOUT as DEFAULT_ASK_TIMEOUT
 from egressbox.proxy.approval import Answer, CommandDecider, command_argv, save_approved
 from egressbox.proxy.gate import Meter, stderr_log
@@ -291,10 +294,6 @@ def chain_problem(options: ServeOptions) -> str:
 def chain_arguments(options: ServeOptions) -> dict[str, Any]:
     """EgressProxy's proxy_protocol_from and upstream (ValueError: a usage error). The
     credentials are checked here too (they are read again when the proxy starts)."""
-    from egressbox.core.upstream import parse_upstream
-    from egressbox.protocols.proxy_header import parse_trusted
-    from egressbox.protocols.upstream import credentials_from_env
-
     found: dict[str, Any] = {}
     if options.proxy_protocol_from is not None:
         try:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from egressbox.core.decide import SelfEndpoints
+from egressbox.core.hosts import format_authority
 from egressbox.proxy.gate import ProxyState, stderr_log
 from egressbox.serve.systemd import Notifier
 from egressbox.serve.watch import WATCH_INTERVAL, PolicyWatch
@@ -83,8 +84,6 @@ class Prepared:
         return self.admin_address is not None
 
     def admin_authority(self) -> str | None:
-        from egressbox.core.hosts import format_authority
-
         address = self.admin_address
         return format_authority(*address) if address is not None else None
 

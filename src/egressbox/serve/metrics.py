@@ -19,6 +19,7 @@ its end; plain-HTTP forwarding is not counted there.
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -319,8 +320,6 @@ class Exposition:
 
 
 def build_info() -> dict[str, str]:
-    import sys
-
     from egressbox.protocols import http1
 
     # The package is loaded already (it is this module's parent): read its version without
