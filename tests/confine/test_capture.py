@@ -379,7 +379,7 @@ def test_capture_off_is_said_not_refused(
 
 def test_the_launchers_word_decides_the_report() -> None:
     from egressbox.confine.grants import Mechanism, Profile
-    from egressbox.runner.assemble import applied_report
+    from egressbox.runner.report import applied_report
 
     chosen = frozenset({Mechanism.NETWORK_NAMESPACE})
     done = {"status": "full", "families": ["ipv4", "ipv6"], "capture_port": 4, "dns": "x:53"}

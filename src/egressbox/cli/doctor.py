@@ -114,7 +114,7 @@ def profile_support(support: object) -> dict[str, dict[str, object]]:
     """What each `run` profile would enforce on this host, and what it would refuse."""
     from egressbox.confine.grants import HostFacts, Profile, choose_mechanisms, wanted
     from egressbox.confine.probe import HostSupport
-    from egressbox.runner.assemble import SUPERVISOR, planned_network_boundary
+    from egressbox.runner.report import SUPERVISOR, planned_network_boundary
 
     assert isinstance(support, HostSupport)
     status = {m.name: m.status.value for m in support.mechanisms()}

@@ -21,15 +21,10 @@ from egressbox.core.errors import EgressboxError
 from egressbox.core.exitcodes import CAUSE_CODES, EXIT_CANNOT_CONFINE
 from egressbox.net.original import Destinations
 from egressbox.runner import zygote
-from egressbox.runner.assemble import (
-    CAPTURE_ROW,
-    FILESYSTEM_ROW,
-    MEMORY_ROW,
-    Prepared,
-    applied_report,
-)
+from egressbox.runner.assemble import Prepared
 from egressbox.runner.facts import forget_facts
 from egressbox.runner.options import KILL_GRACE, LAUNCHER_TIMEOUT, RunOptions, write_err
+from egressbox.runner.report import CAPTURE_ROW, FILESYSTEM_ROW, MEMORY_ROW, applied_report
 from egressbox.runner.terminal import (
     StderrTee,
     TerminalRelay,
