@@ -43,12 +43,13 @@ def _declares_pure(init: Path) -> bool:
 
 
 # The pure floors, whole, as their packages declare them (the core and the sans-IO
-# protocol parsers). Plus the refusal classifier of confine, pure by itself and read
-# before the launcher forks.
+# protocol parsers). Plus, of confine: the refusal classifier, and the planning of a run's
+# confinement with the launcher's plan it makes (confine/face.py's pure half: it reads and
+# makes nothing, and must not even load what could).
 PURE_PACKAGES = tuple(
     sorted(p.parent.name for p in _package_dir().glob("*/__init__.py") if _declares_pure(p))
 )
-PURE_EXTRA = ("confine.refusal",)
+PURE_EXTRA = ("confine.planning", "confine.refusal", "confine.spec")
 
 
 def _pure_files() -> list[Path]:

@@ -1,6 +1,6 @@
-"""confine/face.py: plan(request, facts) and finish(plan, run) read and change nothing of the
-host, and plan no mechanism the host lacks; launch(plan) forks a launcher that takes its
-descriptors."""
+"""confine/face.py: plan(request, facts) and finish(plan, run) (confine/planning.py) read and
+change nothing of the host, and plan no mechanism the host lacks; launch(plan) forks a
+launcher that takes its descriptors; the runner reaches confinement through the face alone."""
 
 from __future__ import annotations
 

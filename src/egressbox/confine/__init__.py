@@ -5,8 +5,11 @@ mechanisms on this host and its refusals), `confine.finish(plan, run) -> Confine
 (the grants, the world and the walls, from the Run the caller builds on the Plan with what
 `confine.read_host` read of the host), and `confine.launch(plan) -> Launched`;
 `confine.set_up` makes on the host what a planned run needs before its launch (the proxy's
-listeners without a network namespace). The plan's vocabulary and tables (profiles,
-mechanisms, refusals, presets, the world's spec) are confine/grants.py.
+listeners without a network namespace). The face is a list of names: planning is
+confine/planning.py (pure), reading and making on the host confine/host.py, the launcher's
+parent side confine/launching.py, judging a failed run confine/judging.py. The plan's
+vocabulary and tables (profiles, mechanisms, refusals, presets, the world's spec) are
+confine/grants.py; the launcher's plan is confine/spec.py.
 
 Irreversible steps (restrict_self, loading a seccomp filter, unshare) only ever run in a child
 process.

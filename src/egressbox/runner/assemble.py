@@ -32,7 +32,7 @@ from egressbox.confine.grants import (
     host_trusted,
     is_under,
 )
-from egressbox.confine.launcher import LaunchPlan
+from egressbox.confine.spec import LaunchPlan
 from egressbox.confine.toolchains import CacheMode, CachePlan, CacheRoot
 from egressbox.core.errors import EgressboxError
 from egressbox.runner.account import Account

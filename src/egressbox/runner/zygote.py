@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from egressbox.confine.launcher import LaunchPlan
+    from egressbox.confine.spec import LaunchPlan
 
 # The plan and the targets of its descriptors travel as one SOCK_SEQPACKET message, which
 # must fit the socket's send buffer (about 208 KiB by default); a larger plan (a very large
