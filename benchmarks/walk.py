@@ -6,9 +6,11 @@ ENTRY is a function by its dotted path (``egressbox.runner.api.run_options_sync`
 as ``egressbox.proxy.tunnel.Tunnel.start``; a module whose name moved may be given by its old
 or new name when the tree has it). The walk reads the sources with `ast` (nothing is imported)
 and follows, depth first, every call it can resolve by name: a function of the same module, a
-name imported from another egressbox module, ``module.name`` through an imported module, and
-``self.method`` inside a class. Calls it cannot resolve (methods of objects, callbacks) are
-not followed: the walk is a lower bound of the real path, the same rule for every tree.
+name imported from another egressbox module, ``module.name`` through an imported module (a
+name that module only re-exports, as confine/face.py does, is followed to where it is
+defined: no frame of the face's runs between), and ``self.method`` inside a class. Calls it
+cannot resolve (methods of objects, callbacks) are not followed: the walk is a lower bound of
+the real path, the same rule for every tree.
 
 Figures, over the sequence of files the walk is in (each call enters a file, each return goes
 back to the caller's):
@@ -32,6 +34,8 @@ from pathlib import Path
 # Lowest floor first (tests/test_layout.py FLOORS, flattened); unknown packages rank by name.
 FLOOR_ORDER = ("core", "fs", "protocols", "net", "audit", "confine", "proxy", "serve", "runner")
 TOP = "cli"
+# Re-exports followed to a definition, at most (a face re-exports a module's name once).
+REEXPORT_HOPS = 4
 
 
 class Function:
@@ -97,10 +101,24 @@ class Tree:
             dotted = None
         if dotted is None:
             return None
+        dotted = self._defined(dotted)
         if dotted in self.functions:
             return dotted
         init = f"{dotted}.__init__"  # a class called: its constructor
         return init if init in self.functions else None
+
+    def _defined(self, dotted: str) -> str:
+        """Where a name a module only imports (a face's re-export) is defined: the call runs
+        there, no frame of the re-exporting module between."""
+        for _ in range(REEXPORT_HOPS):
+            if dotted in self.functions or f"{dotted}.__init__" in self.functions:
+                break
+            module, _, attr = dotted.rpartition(".")
+            target = self.names.get(module, {}).get(attr)
+            if target is None or target == dotted:
+                break
+            dotted = target
+        return dotted
 
     def calls(self, fn: Function) -> Iterator[str]:
         for node in ast.walk(fn.node):

@@ -32,9 +32,8 @@ from egressbox.confine.planning import (
     HostReads,
     Plan,
     filesystem,
-    granted_paths,
+    held_paths,
     scratch_paths,
-    with_copies,
 )
 from egressbox.confine.spec import LaunchPlan
 from egressbox.core.errors import EgressboxError
@@ -66,17 +65,11 @@ def read_host(
     fs = filesystem(grants, mounts)
     copies = _gather_copies(fs, grants) if files else None
     reads = HostReads(copies=copies, connects_off=connects, supervised=supervised)
-    if copies is not None:
-        fs = with_copies(fs, reads, mounts)[0]
     if mounts or supervised:
         # The paths the world or the supervisor holds the live sockets against.
-        _, writable = granted_paths(
-            fs, grants.write_roots, grants.process_write_roots, grants.socket_roots
-        )
-        paths = (*fs.read, *fs.write, *writable, *grants.socket_roots)
+        paths = held_paths(fs, grants, reads, mounts)
         reads = reads._replace(
-            live_sockets=_live_sockets(),
-            real={p: os.path.realpath(p) for p in dict.fromkeys(paths)},
+            live_sockets=_live_sockets(), real={p: os.path.realpath(p) for p in paths}
         )
     group, group_off = probe_cgroup(budget, max_processes)
     return reads._replace(

@@ -403,6 +403,17 @@ def private_paths(mounts: bool) -> tuple[str, ...]:
     return USER_TEMP if mounts else ()
 
 
+def held_paths(fs: FsPlan, grants: Grants, host: HostReads, mounts: bool) -> tuple[str, ...]:
+    """The granted paths (`fs`, with the clean copies in `host`) whose real paths, and the live
+    sockets under them, the world or the connect supervisor holds: what `read_host` reads."""
+    if host.copies is not None:
+        fs = with_copies(fs, host, mounts)[0]
+    _, writable = granted_paths(
+        fs, grants.write_roots, grants.process_write_roots, grants.socket_roots
+    )
+    return tuple(dict.fromkeys((*fs.read, *fs.write, *writable, *grants.socket_roots)))
+
+
 def with_copies(
     fs: FsPlan, host: HostReads, mounts: bool
 ) -> tuple[FsPlan, tuple[tuple[str, str], ...], list[str], list[str]]:
