@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from egressbox.cli import build_parser
+from egressbox.cli.serve import serve_options
 from egressbox.core.policy import load_policy
-from egressbox.serve.command import ServeOptions, usage_problem
+from egressbox.serve.command import usage_problem
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
@@ -43,19 +44,7 @@ def serve_args(argv: list[str]) -> argparse.Namespace:
 
 def checked_options(argv: list[str]) -> argparse.Namespace:
     args = serve_args(argv)
-    options = ServeOptions(
-        policy_path=args.policy,
-        listen=args.listen,
-        http_port=args.http_port,
-        socks_port=args.socks_port,
-        audit_log=args.audit_log,
-        workers=args.workers,
-        admin=args.admin,
-        admin_token_file=args.admin_token_file,
-        watch_policy=args.watch_policy,
-        drain_delay=args.drain_delay,
-    )
-    assert usage_problem(options) == ""
+    assert usage_problem(serve_options(args)) == ""
     return args
 
 

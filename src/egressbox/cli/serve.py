@@ -9,6 +9,7 @@ from egressbox.cli.options import add_ask_common, add_nameserver, add_upstream
 
 if TYPE_CHECKING:
     from egressbox.cli.options import Subparsers
+    from egressbox.serve.command import ServeOptions
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -147,9 +148,16 @@ def _workers(text: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from egressbox.serve.command import ServeOptions, serve
+    from egressbox.serve.command import serve
 
-    options = ServeOptions(
+    return serve(serve_options(args))
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The ServeOptions the parsed command line asks for."""
+    from egressbox.serve.command import ServeOptions
+
+    return ServeOptions(
         policy_path=args.policy,
         listen=args.listen,
         http_port=args.http_port,
@@ -175,7 +183,6 @@ def main(args: argparse.Namespace) -> int:
         ca_cert=args.ca_cert,
         ca_key=args.ca_key,
     )
-    return serve(options)
 
 
 def _proxy_protocol_from(args: argparse.Namespace) -> tuple[str, ...] | None:
