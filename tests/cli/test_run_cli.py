@@ -30,7 +30,7 @@ import pytest
 
 import egressbox
 from egressbox import cli
-from egressbox.confine.grants import HOST_NEEDS, HostFacts, Mechanism, Profile
+from egressbox.confine.grants import HOST_NEEDS, PROBED_MECHANISMS, HostFacts, Mechanism, Profile
 from egressbox.runner.api import run_options_sync
 from egressbox.runner.facts import host_facts
 from egressbox.runner.options import RunOptions, RunRefusedError
@@ -44,16 +44,10 @@ pytestmark = [
 
 # One `egressbox run` (start-up, the command, the proxy's shutdown); generous for CI.
 RUN_TIMEOUT = 120.0
-# The probe host's mechanism names (confine.probe), for simulated HostFacts.
-HOST_MECHANISMS = (
-    "landlock",
-    "seccomp",
-    "no_new_privs",
-    "user_namespace",
-    "network_namespace",
-    "mount_namespace",
-    "pid_namespace",
-    "close_range",
+# The probe's confinement mechanisms (confine/grants.py PROBED_MECHANISMS), for simulated
+# HostFacts: capture and the connect supervisor are ways to the proxy, not confinement.
+HOST_MECHANISMS = tuple(
+    name for name in PROBED_MECHANISMS if name not in ("capture", "connect_supervisor")
 )
 REPORT_LINE = re.compile(r"^egressbox: enforcement: (\w+): (full|partial|none) \((.*)\)$")
 
