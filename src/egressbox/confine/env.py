@@ -273,18 +273,21 @@ def child_environment(
     profile: str,
     remove: Iterable[str] = (),
     writable: Sequence[str] = (),
+    held: HeldBack | None = None,
 ) -> dict[str, str]:
     """The environment the confined command starts with.
 
     `remove` names variables dropped on purpose (--env-remove); `writable` the write roots,
     inside which an inherited TMPDIR (TMP, TEMP) is kept rather than pointed at the scratch
-    space. Grants (--grant NAME[=VALUE]) win over both and over what is held back.
+    space. Grants (--grant NAME[=VALUE]) win over both and over what is held back. `held` is
+    held_back() of `base` when the caller has it already (it reads every value once).
     """
     env = _base(base, policy)
     for name in CA_VARIABLES:
         if name in base:
             env[name] = base[name]
-    held = held_back(env, policy=policy, grants=grants, remove=remove)
+    if held is None:
+        held = held_back(env, policy=policy, grants=grants, remove=remove)
     for name in (*held.credentials, *held.wrappers, *held.removed):
         env.pop(name, None)
     for name in list(env):

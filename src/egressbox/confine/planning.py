@@ -473,6 +473,7 @@ def environment(
     the scratch space and the proxy (pure)."""
     from egressbox.confine.env import PORT_TEMPLATES, child_environment, held_back, proxy_variables
 
+    held = held_back(base, policy=policy, grants=grants, remove=remove)
     env = child_environment(
         base,
         policy=policy,
@@ -482,11 +483,10 @@ def environment(
         profile=planned.profile.value,
         remove=remove,
         writable=writable,
+        held=held,
     )
     templates = {name: env.pop(name) for name in proxy_variables(PORT_TEMPLATES)}
-    return ChildEnvironment(
-        env, templates, held_back(base, policy=policy, grants=grants, remove=remove)
-    )
+    return ChildEnvironment(env, templates, held)
 
 
 def scratch_paths(root: str, name: str) -> Scratch:
