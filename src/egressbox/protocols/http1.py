@@ -277,7 +277,7 @@ class RequestHead:
     connection_tokens: frozenset[str] = field(repr=False)
     upgrade: tuple[str, ...] = ()
     # The field index of `headers` (see _index), built once by the parser that read
-    # them; None for a head built from rewritten fields (header() then scans).
+    # them; for a head built from rewritten fields, by its first header() call.
     _index: _Index | None = field(default=None, init=False, repr=False, compare=False)
 
     def __init__(  # noqa: PLR0917 - the dataclass's own signature, fields in order
@@ -327,8 +327,9 @@ class RequestHead:
         if key not in _INDEXED:
             return [value for other, value in self.headers if other.lower() == key]
         index = self._index
-        if index is None:
+        if index is None:  # a head built from rewritten fields: indexed once, when first asked
             index = _index(self.headers)
+            object.__setattr__(self, "_index", index)
         return list(index.get(key, _NONE))
 
 
